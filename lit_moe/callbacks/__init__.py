@@ -1,1 +1,125 @@
+"""What keeps a long MoE run healthy and visible: skip protection, MoE metrics, throughput/MFU,
+step logging (TensorBoard), the profiler and CPU affinity; plus user callbacks from YAML.
 
+The CLI calls :func:`build_logger` and :func:`build_callbacks`, instantiates the YAML ``callbacks:``
+with :func:`load_callbacks` and combines them with :func:`merge_callbacks`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from lightning.pytorch import Callback
+
+from lit_moe.callbacks._common import emit
+from lit_moe.callbacks.affinity import CPUAffinity, parse_cpu_list, plan_affinity
+from lit_moe.callbacks.moe_metrics import MoEMetrics, layer_stats
+from lit_moe.callbacks.profiler import StepProfiler
+from lit_moe.callbacks.skip import GlobalNormSkipGuard, SkipLimitExceeded, StepGuard
+from lit_moe.callbacks.step_logger import StepLogger, check_log_interval
+from lit_moe.callbacks.throughput import (KNOWN_PEAK_FLOPS, ThroughputMFU, known_peak_flops,
+                                          measure_matmul_peak, throughput_metrics)
+from lit_moe.callbacks.train_state import TrainStateMonitor
+from lit_moe.callbacks.user import load_callbacks
+
+__all__ = [
+    "CPUAffinity", "GlobalNormSkipGuard", "KNOWN_PEAK_FLOPS", "MoEMetrics", "SkipLimitExceeded",
+    "StepGuard", "StepLogger", "StepProfiler", "ThroughputMFU", "TrainStateMonitor",
+    "build_callbacks", "build_logger", "known_peak_flops", "layer_stats", "load_callbacks",
+    "measure_matmul_peak", "merge_callbacks", "parse_cpu_list", "plan_affinity", "throughput_metrics",
+]
+
+
+def build_logger(monitor: Any) -> Optional[Any]:
+    """The run's TensorBoardLogger writing straight into ``monitor.tensorboard.output_dir`` (no
+    name/version subfolders), or None when ``output_dir`` is empty. Our callbacks write to it with
+    the optimizer step as x-axis; the module should not ``self.log`` the same ``train/*`` tags."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    tb = monitor.tensorboard
+    check_log_interval(tb.log_interval)
+    if not tb.output_dir:
+        return None
+    return TensorBoardLogger(save_dir=tb.output_dir, name="", version="", default_hp_metric=False,
+                             max_queue=tb.queue_size)
+
+
+def _flops_per_token(model_config: Any, seq_length: int) -> Optional[float]:
+    if model_config is None:
+        return None
+    try:
+        from lit_moe.model import flops_per_token
+    except ImportError:
+        emit("WARNING: lit_moe.model.flops_per_token is not available: no TFLOP/s or MFU", error=True)
+        return None
+    return float(flops_per_token(model_config, seq_length))
+
+
+def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any, seq_length: int,
+                    resolved_config: Any, peak_flops: Optional[float] = None) -> list[Callback]:
+    """The built-in callbacks of a run, in the order they must run: affinity, profiler,
+    train-state lines (a StepGuard that never skips, before the skip guard), skip protection,
+    throughput (fills ``step_metrics["perf"]`` for the console line), MoE metrics, step logger."""
+    log_interval = check_log_interval(monitor.tensorboard.log_interval)
+    callbacks: list[Callback] = []
+
+    affinity = CPUAffinity(context.affinity_config)
+    if affinity.plan is not None:
+        callbacks.append(affinity)
+
+    if profiler.enable_profiling:
+        callbacks.append(StepProfiler(
+            start_step=profiler.start_step, end_step=profiler.end_step,
+            output_path=profiler.output_path, profiler_rank=profiler.profiler_rank,
+            profile_memory=profiler.profile_memory, with_stack=profiler.with_stack,
+            profile_cpu=profiler.profile_cpu))
+
+    ts = monitor.train_state
+    train_state = TrainStateMonitor(device_loss=ts.device_loss, local_loss=ts.local_loss,
+                                    local_norm=ts.local_norm, device_norm=ts.device_norm)
+    if train_state.enabled:
+        callbacks.append(train_state)
+
+    hc = monitor.health_checkpoint
+    callbacks.append(GlobalNormSkipGuard(
+        global_norm_skip_threshold=hc.global_norm_skip_threshold,
+        global_norm_skip_time=hc.global_norm_skip_time,
+        embedding_local_norm_threshold=hc.embedding_local_norm_threshold))
+
+    callbacks.append(ThroughputMFU(flops_per_token=_flops_per_token(model_config, seq_length),
+                                   peak_flops=peak_flops, log_interval=log_interval))
+
+    mm = monitor.moe_monitor
+    output_dir = monitor.tensorboard.output_dir
+    callbacks.append(MoEMetrics(
+        log_interval=log_interval, save_tokens_per_expert_interval=mm.save_tokens_per_expert_interval,
+        target_layers=mm.target_layers,
+        heatmap_dir=os.path.join(output_dir, "expert_load") if output_dir else None))
+
+    total_steps = None
+    if isinstance(resolved_config, dict):
+        total_steps = (resolved_config.get("training") or {}).get("steps")
+    else:
+        total_steps = getattr(getattr(resolved_config, "training", None), "steps", None)
+    callbacks.append(StepLogger(log_interval=log_interval, total_steps=total_steps,
+                                resolved_config=resolved_config))
+    return callbacks
+
+
+def merge_callbacks(builtin: list[Callback], user: list[Callback]) -> list[Callback]:
+    """Built-ins followed by the user's callbacks; a user callback that is an instance of a
+    built-in's class replaces that built-in in place (e.g. a ``ThroughputMFU`` with ``peak_flops``;
+    its ``flops_per_token``, when not given, is taken from the built-in)."""
+    merged = list(builtin)
+    extra = []
+    for cb in user:
+        for i, b in enumerate(merged):
+            if isinstance(cb, type(b)) and b in builtin:
+                if isinstance(cb, ThroughputMFU) and cb.flops_per_token is None:
+                    cb.flops_per_token = b.flops_per_token
+                merged[i] = cb
+                break
+        else:
+            extra.append(cb)
+    return merged + extra

@@ -1,0 +1,143 @@
+"""Small helpers shared by the callbacks: reading the module's per-step metrics, ranks, printing,
+DTensor-aware norms and TensorBoard writing.
+
+The LightningModule (``lit_moe/module.py``) uses manual optimization: every dataloader batch is one
+micro-batch, and after the optimizer step (the A-th micro-batch) it sets ``pl_module.step_metrics``.
+Callbacks read that dict in ``on_train_batch_end`` and act only when its ``"step"`` changed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+# ----------------------------------------------------------------------------------------------
+# step metrics
+# ----------------------------------------------------------------------------------------------
+class StepWatcher:
+    """Mixin: ``new_step_metrics(pl_module)`` returns the module's ``step_metrics`` once per
+    optimizer step (None on the other micro-batches)."""
+
+    _last_seen_step: Optional[int] = None
+
+    def new_step_metrics(self, pl_module: Any) -> Optional[dict]:
+        metrics = getattr(pl_module, "step_metrics", None)
+        if not metrics or metrics.get("step") is None:
+            return None
+        step = int(metrics["step"])
+        if step == self._last_seen_step:
+            return None
+        self._last_seen_step = step
+        return metrics
+
+
+def steps_done(trainer: Any, pl_module: Any) -> int:
+    """Optimizer steps completed so far (skipped steps included when the module counts them).
+
+    ``step_metrics["step"]`` is authoritative; before the first step of this run we fall back to
+    ``trainer.global_step`` (which Lightning restores on resume and counts real optimizer steps)."""
+    metrics = getattr(pl_module, "step_metrics", None)
+    if metrics and metrics.get("step") is not None:
+        return int(metrics["step"])
+    return int(getattr(trainer, "global_step", 0) or 0)
+
+
+def is_log_step(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# ranks and printing
+# ----------------------------------------------------------------------------------------------
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def emit(line: str, *, error: bool = False) -> None:
+    """Print one line (stdout, or stderr for warnings) and flush, so that lines of concurrent
+    ranks are not interleaved mid-line."""
+    stream = sys.stderr if error else sys.stdout
+    print(line, file=stream, flush=True)
+
+
+def fmt(value: Optional[float], spec: str = ".6f") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# norms
+# ----------------------------------------------------------------------------------------------
+def tensor_norm(t: torch.Tensor) -> float:
+    """L2 norm of a (possibly DTensor) tensor, in fp32, over the whole logical tensor.
+
+    For a sharded DTensor, ``vector_norm`` gives a partial result on each rank and
+    ``full_tensor()`` reduces it over the mesh (a collective: every rank of that mesh must call)."""
+    t = t.detach()
+    norm = torch.linalg.vector_norm(t.float())
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def to_float(value: Any) -> Optional[float]:
+    """A float from a Python number, a 0-d (D)Tensor or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        return float(value.detach().float().cpu())
+    return float(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorBoard
+# ----------------------------------------------------------------------------------------------
+def tb_writer(trainer: Any) -> Any:
+    """The SummaryWriter of the run's TensorBoardLogger, on global rank 0 only (None elsewhere or
+    when TensorBoard is off)."""
+    if not getattr(trainer, "is_global_zero", True):
+        return None
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in getattr(trainer, "loggers", None) or []:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def add_scalar(writer: Any, tag: str, value: Optional[float], step: int,
+               samples: Optional[int] = None) -> None:
+    """Write ``tag`` against the optimizer step and, when ``samples`` is given, the same value as
+    ``"<tag> vs samples"`` against consumed samples (the MindFormers convention)."""
+    if writer is None or value is None:
+        return
+    writer.add_scalar(tag, value, global_step=step)
+    if samples is not None:
+        writer.add_scalar(f"{tag} vs samples", value, global_step=int(samples))
+
+
+def add_png(writer: Any, tag: str, png: bytes, height: int, width: int, step: int) -> None:
+    """Write an already PNG-encoded RGB image (no PIL needed)."""
+    if writer is None:
+        return
+    if type(writer).__module__.startswith("tensorboardX"):
+        from tensorboardX.proto.summary_pb2 import Summary
+    else:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+    summary = Summary(value=[Summary.Value(tag=tag, image=image)])
+    writer._get_file_writer().add_summary(summary, step)

@@ -1,0 +1,131 @@
+"""Global-norm skip protection (``monitor.health_checkpoint``).
+
+Seed 000 §2: ``max_norm`` is the soft protection (scale the gradients and update anyway);
+``global_norm_skip_threshold`` is the hard one: when the global gradient norm is too large (or
+NaN/Inf) the update of that step is skipped. More than ``global_norm_skip_time`` consecutive skips
+are treated as a failure. MindFormers parses these fields but never acts on them; we implement what
+the seed documents.
+
+Protocol with the LightningModule (manual optimization): after the A-th micro-batch the module
+computes the global pre-clip gradient norm, then calls ``should_skip`` on **every** callback that is
+a :class:`StepGuard` (all of them, no short-circuit: guards may keep state) **before** clipping.
+When any returns True it drops the gradients and steps neither the optimizer nor the LR schedule,
+so parameters, optimizer moments and step counters stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback
+
+from lit_moe.config import ConfigError
+from lit_moe.callbacks._common import emit, steps_done, tensor_norm, to_float
+
+
+class SkipLimitExceeded(RuntimeError):
+    """Too many consecutive skipped steps. Raised from ``should_skip`` before anything of the bad
+    step is applied; the CLI prints the one-line message and exits non-zero. Checkpoint callbacks
+    must not save on this exception (the last saved checkpoint is the last healthy state)."""
+
+
+class StepGuard(Callback):
+    """A callback the module asks, once per optimizer step, whether to skip the update.
+
+    Called with accumulated, pre-clip gradients still in place (``p.grad``), after the global norm
+    is known. Implementations must be deterministic across ranks (same answer on every rank), since
+    the module acts on the answer collectively."""
+
+    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
+        return False
+
+
+def _embedding_grad_norm(pl_module: Any) -> Optional[float]:
+    """Global L2 norm of the input-embedding gradient, or None when there is none."""
+    model = getattr(pl_module, "model", None)
+    embed = getattr(model, "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if weight is None or weight.grad is None:
+        return None
+    try:  # the strategy's mesh-aware norm (DTensor placements, mixed meshes)
+        from lit_moe.strategies import global_grad_norm
+    except ImportError:
+        global_grad_norm = None
+    if global_grad_norm is not None:
+        return to_float(global_grad_norm([weight]))
+    return tensor_norm(weight.grad)
+
+
+class GlobalNormSkipGuard(StepGuard):
+    """Skip the optimizer update when the global gradient norm exceeds ``global_norm_skip_threshold``
+    or is not finite, or when the input-embedding gradient norm exceeds
+    ``embedding_local_norm_threshold``; stop training after more than ``global_norm_skip_time``
+    consecutive skips.
+
+    Args:
+        global_norm_skip_threshold: skip when the global norm is above this. ``.inf`` keeps only
+            the NaN/Inf check.
+        global_norm_skip_time: allowed consecutive skips; one more raises :class:`SkipLimitExceeded`.
+        embedding_local_norm_threshold: skip when the embedding gradient norm alone is above this;
+            None disables the embedding check.
+    """
+
+    def __init__(self, global_norm_skip_threshold: float = 100.0, global_norm_skip_time: int = 10,
+                 embedding_local_norm_threshold: Optional[float] = 100.0) -> None:
+        field = "monitor.health_checkpoint"
+        if isinstance(global_norm_skip_threshold, bool) or not (
+                isinstance(global_norm_skip_threshold, (int, float)) and global_norm_skip_threshold > 0):
+            raise ConfigError(f"{field}.global_norm_skip_threshold: must be a positive number, got "
+                              f"{global_norm_skip_threshold!r}")
+        if isinstance(global_norm_skip_time, bool) or not (
+                isinstance(global_norm_skip_time, int) and global_norm_skip_time >= 0):
+            raise ConfigError(f"{field}.global_norm_skip_time: must be an int >= 0, got "
+                              f"{global_norm_skip_time!r}")
+        if embedding_local_norm_threshold is not None and (
+                isinstance(embedding_local_norm_threshold, bool)
+                or not isinstance(embedding_local_norm_threshold, (int, float))
+                or embedding_local_norm_threshold <= 0):
+            raise ConfigError(f"{field}.embedding_local_norm_threshold: must be a positive number or "
+                              f"null, got {embedding_local_norm_threshold!r}")
+        self.threshold = float(global_norm_skip_threshold)
+        self.max_consecutive = int(global_norm_skip_time)
+        self.embedding_threshold = (None if embedding_local_norm_threshold is None
+                                    else float(embedding_local_norm_threshold))
+        self.consecutive = 0
+        self.total_skipped = 0
+
+    def _reasons(self, pl_module: Any, grad_norm: torch.Tensor) -> list[str]:
+        reasons = []
+        norm = to_float(grad_norm)
+        if not math.isfinite(norm):
+            reasons.append(f"global gradient norm is {norm}")
+        elif norm > self.threshold:
+            reasons.append(f"global gradient norm {norm:.6g} > global_norm_skip_threshold "
+                           f"{self.threshold:g}")
+        if self.embedding_threshold is not None:
+            # Always computed (when enabled) so that every rank joins the same collectives.
+            emb = _embedding_grad_norm(pl_module)
+            if emb is not None and not (emb <= self.embedding_threshold):  # NaN counts as too large
+                reasons.append(f"embedding gradient norm {emb:.6g} > embedding_local_norm_threshold "
+                               f"{self.embedding_threshold:g}")
+        return reasons
+
+    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
+        reasons = self._reasons(pl_module, grad_norm)
+        step = steps_done(trainer, pl_module) + 1
+        if not reasons:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        if self.consecutive > self.max_consecutive:
+            raise SkipLimitExceeded(
+                f"step {step}: {self.consecutive} consecutive steps skipped ({'; '.join(reasons)}), "
+                f"more than monitor.health_checkpoint.global_norm_skip_time={self.max_consecutive}; "
+                "stopping without saving this state")
+        self.total_skipped += 1
+        if getattr(trainer, "is_global_zero", True):
+            emit(f"WARNING: step {step}: update skipped: {'; '.join(reasons)} "
+                 f"({self.consecutive} consecutive, limit {self.max_consecutive})", error=True)
+        return True

@@ -1,0 +1,215 @@
+"""Throughput, achieved TFLOP/s and MFU, step time and memory.
+
+Counting under tensor/context parallelism: ``step_metrics["tokens"]`` is the number of tokens of the
+global batch (every token once, however many ranks worked on it), and the step's model FLOPs are
+``flops_per_token × tokens``. Both are shared by all ``world_size`` devices, so per device they are
+divided by the world size — not multiplied by ``tp × cp`` as Lightning's ThroughputMonitor does
+(it scales per-rank counts by the world size, which counts a TP/CP-split sample several times).
+
+MFU = achieved FLOP/s per device / the device's peak dense bf16 FLOP/s. Known peaks are vendor
+datasheet values (the "with sparsity" figures halved); an unknown accelerator or a CPU gets a
+measured bf16 GEMM rate instead (a short timed matmul, once per process), and ``peak_flops``
+overrides either.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+from lit_moe.config import ConfigError
+from lit_moe.callbacks._common import StepWatcher, add_scalar, emit, is_log_step, tb_writer
+
+# Peak dense bf16 tensor FLOP/s per device, matched as a substring of the device name lower-cased
+# with spaces and dashes removed. First match wins, so specific names come first.
+KNOWN_PEAK_FLOPS: list[tuple[str, float]] = [
+    ("h200nvl", 835e12),   # NVIDIA H200 NVL datasheet: BF16 1,671 TFLOPS with sparsity
+    ("h200", 989e12),      # NVIDIA H200 (SXM) datasheet: BF16 1,979 TFLOPS with sparsity
+    ("h100nvl", 835e12),   # NVIDIA H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity
+    ("h100pcie", 756e12),  # NVIDIA H100 PCIe datasheet: BF16 1,513 TFLOPS with sparsity
+    ("h100", 989e12),      # NVIDIA H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity
+    ("h800", 989e12),      # H800 SXM: H100 SXM compute, reduced interconnect
+    ("a100", 312e12),      # NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS (dense)
+    ("a800", 312e12),      # A800: A100 compute, reduced interconnect
+    # Huawei publishes no per-variant datasheet figure; public numbers for the 910B family range
+    # from ~280 (910B4) to ~376 (910B2) TFLOPS fp16/bf16. 313 TFLOPS is the figure usually quoted
+    # for the 910B3 and used as the family default; set ``peak_flops`` for your exact part.
+    ("ascend910b", 313e12),
+]
+
+_MEASURED_PEAK: dict[tuple[str, str], float] = {}
+
+
+def _normalise(name: str) -> str:
+    return name.lower().replace(" ", "").replace("-", "").replace("_", "")
+
+
+def known_peak_flops(device_name: str) -> Optional[float]:
+    """Datasheet peak for a device name such as ``"NVIDIA H100 80GB HBM3"`` or ``"Ascend910B3"``."""
+    name = _normalise(device_name)
+    for key, peak in KNOWN_PEAK_FLOPS:
+        if key in name:
+            return peak
+    return None
+
+
+def device_name(device: torch.device) -> Optional[str]:
+    """The accelerator's marketing name (``torch.cuda``/``torch.npu``/``torch.xpu`` style), or None."""
+    module = getattr(torch, device.type, None)
+    get_name = getattr(module, "get_device_name", None)
+    if device.type == "cpu" or get_name is None:
+        return None
+    try:
+        return get_name(device)
+    except Exception:  # a backend without names for this device: fall back to measuring
+        return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(device)
+    else:
+        torch.accelerator.synchronize(device)
+
+
+def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                        n: Optional[int] = None, repeats: int = 5) -> float:
+    """Best-of-``repeats`` FLOP/s of an ``n × n @ n × n`` matmul on ``device`` (2·n³ FLOPs each).
+    Measured once per (device, dtype) and cached for the process."""
+    device = torch.device(device)
+    key = (str(device), str(dtype))
+    if key in _MEASURED_PEAK:
+        return _MEASURED_PEAK[key]
+    n = n or (1024 if device.type == "cpu" else 8192)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    a @ b  # warm-up (kernel selection, thread-pool start)
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    _MEASURED_PEAK[key] = 2.0 * n ** 3 / best
+    return _MEASURED_PEAK[key]
+
+
+def peak_flops_for(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device: datasheet when known, else measured."""
+    name = device_name(device)
+    if name is not None:
+        peak = known_peak_flops(name)
+        if peak is not None:
+            return peak, f"datasheet value for {name}"
+    peak = measure_matmul_peak(device)
+    what = name or device.type
+    return peak, f"measured bf16 matmul rate on {what}"
+
+
+def throughput_metrics(tokens: float, step_time: float, world_size: int,
+                       flops_per_token: Optional[float] = None,
+                       peak_flops: Optional[float] = None) -> dict[str, float]:
+    """The numbers of one step. ``tokens`` is the global batch's token count and ``flops_per_token``
+    the training (forward + backward) FLOPs per token."""
+    out = {"tokens_per_sec": tokens / step_time,
+           "tokens_per_sec_per_device": tokens / step_time / world_size}
+    if flops_per_token:
+        achieved = flops_per_token * tokens / step_time / world_size
+        out["tflops_per_device"] = achieved / 1e12
+        if peak_flops:
+            out["mfu"] = achieved / peak_flops
+    return out
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``/proc``), else the peak from getrusage."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def memory_gib(device: torch.device) -> tuple[str, float]:
+    """(tag suffix, GiB): the accelerator's max allocated memory since the last call (the peak is
+    reset after reading), or the process RSS on CPU."""
+    if device.type == "cpu":
+        return "rss_gib", process_rss_bytes() / 2 ** 30
+    module = getattr(torch, device.type)
+    value = module.max_memory_allocated(device)
+    module.reset_peak_memory_stats(device)
+    return "max_memory_allocated_gib", value / 2 ** 30
+
+
+class ThroughputMFU(Callback, StepWatcher):
+    """Tokens/s (global and per device), achieved TFLOP/s per device, MFU, step time and memory.
+
+    Writes ``train/tokens_per_sec``, ``train/tokens_per_sec_per_device``, ``train/step_time``,
+    ``train/tflops_per_device``, ``train/mfu`` and ``train/max_memory_allocated_gib`` (accelerator) or
+    ``train/rss_gib`` (CPU), with "vs samples" variants, and puts the step's numbers in
+    ``step_metrics["perf"]`` for the console line. Memory is the maximum over ranks.
+
+    Args:
+        flops_per_token: training FLOPs per token (``lit_moe.model.flops_per_token``); None: no
+            TFLOP/s or MFU.
+        peak_flops: peak FLOP/s of one device, overriding the datasheet/measured value.
+        log_interval: write every N optimizer steps.
+    """
+
+    def __init__(self, flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+                 log_interval: int = 1) -> None:
+        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+            raise ConfigError(f"peak_flops: must be a positive number of FLOP/s, got {peak_flops!r}")
+        self.flops_per_token = flops_per_token
+        self.peak_flops = float(peak_flops) if peak_flops is not None else None
+        self.peak_source = "given" if peak_flops is not None else None
+        self.log_interval = log_interval
+        self._last_end: Optional[float] = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.flops_per_token and self.peak_flops is None:
+            self.peak_flops, self.peak_source = peak_flops_for(pl_module.device)
+            if trainer.is_global_zero:
+                emit(f"MFU peak: {self.peak_flops / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
+        self._last_end = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        m = self.new_step_metrics(pl_module)
+        if m is None:
+            return
+        now = time.perf_counter()
+        step_time = m.get("step_time")
+        if not step_time or step_time <= 0:  # the module did not time it: use our own clock
+            step_time = now - (self._last_end or now)
+        self._last_end = now
+        tokens = m.get("tokens")
+        perf: dict[str, float] = {"step_time": float(step_time)}
+        if tokens and step_time > 0:
+            perf.update(throughput_metrics(float(tokens), float(step_time), trainer.world_size,
+                                           self.flops_per_token, self.peak_flops))
+        m["perf"] = perf
+        step = int(m["step"])
+        if not is_log_step(step, self.log_interval):
+            return
+        mem_tag, mem = memory_gib(pl_module.device)
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([mem], dtype=torch.float32, device=pl_module.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            mem = float(t.item())
+        perf[mem_tag] = mem
+        writer = tb_writer(trainer)
+        samples = m.get("consumed_samples")
+        for key, value in perf.items():
+            add_scalar(writer, f"train/{key}", value, step, samples)

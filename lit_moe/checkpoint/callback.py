@@ -1,0 +1,227 @@
+"""``IterationCheckpoint``: the Lightning callback that writes ``save_path/iteration_XXXXXXXX/``.
+
+It saves after every ``save_interleaved_steps``-th optimizer step and once more at the end of
+training (unless that step was just saved), never after an exception. With ``async_save`` the
+tensors are copied to CPU memory, the files are written by a background thread while training goes
+on, and the tracker is replaced when every rank has finished; the next save (and the end of
+training) waits for the previous one first.
+
+It also lets the Trainer resume from such a directory: ``trainer.fit(ckpt_path=iteration_dir)``
+calls ``strategy.load_checkpoint``, which this callback routes to
+:func:`lit_moe.checkpoint.resume.load_lightning_checkpoint` for lit_moe checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch import Callback
+
+from lit_moe.checkpoint import safejson
+from lit_moe.checkpoint.comm import Comm
+from lit_moe.checkpoint.iteration import (
+    SaveJob,
+    fqn_optimizer_state,
+    make_common,
+    prepare,
+    rng_state,
+    set_rng_state,
+    split_optimizer_state,
+    write_and_commit,
+)
+from lit_moe.checkpoint.layout import iteration_name, read_tracker
+from lit_moe.checkpoint.sharded import assign_writers, pieces_of, stage
+from lit_moe.config import CheckpointConfig, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_save_config(cfg: CheckpointConfig) -> None:
+    """The ``checkpoint`` fields that saving uses, checked before anything starts."""
+    if not cfg.enable_save:
+        return
+    if not cfg.save_path or not str(cfg.save_path).strip():
+        raise ConfigError("checkpoint.save_path: must be set when checkpoint.enable_save is True")
+    for name in ("save_interleaved_steps", "save_max"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"checkpoint.{name}: must be a positive integer, got {value!r}")
+    if cfg.prefix is not None and (not isinstance(cfg.prefix, str) or "/" in cfg.prefix or "\\" in cfg.prefix):
+        raise ConfigError(f"checkpoint.prefix: must be a file-name prefix without path separators, got {cfg.prefix!r}")
+    path = Path(cfg.save_path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.save_path: {str(path)!r} exists and is not a directory")
+
+
+class IterationCheckpoint(Callback):
+    """Save (and resume from) MindFormers-style iteration directories. See the module docstring."""
+
+    def __init__(self, cfg: CheckpointConfig) -> None:
+        check_save_config(cfg)
+        self.cfg = cfg
+        self.save_path = Path(cfg.save_path) if cfg.save_path else None
+        self._comm: Optional[Comm] = None
+        self._saved_this_run: list[int] = []
+        self._last_saved: Optional[int] = None
+        self._last_seen: Optional[int] = None
+        self._failed = False
+        self._thread: Optional[threading.Thread] = None
+        self._thread_error: Optional[BaseException] = None
+        self.pending_rng: Optional[dict] = None  # set by the resume loader, applied at train start
+
+    # ------------------------------------------------------------------------------------------
+    # hooks
+    # ------------------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lit_moe.checkpoint.resume import install_loader
+
+        install_loader(trainer.strategy, self)
+        if self.cfg.enable_save and self._comm is None:
+            self._comm = Comm.create()  # collective: every rank runs setup
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.pending_rng is not None:
+            # After the data iterators were created (they draw from the global generator), so the
+            # next step sees exactly the generator state of the step that was saved.
+            set_rng_state(self.pending_rng)
+            self.pending_rng = None
+        step = trainer.global_step
+        self._last_seen = step
+        if self.cfg.enable_save and step > 0 and (self.save_path / iteration_name(step)).is_dir():
+            self._last_saved = step  # resumed from this very directory: no duplicate final save
+        if self.cfg.enable_save and trainer.is_global_zero and self.save_path.is_dir():
+            for debris in self.save_path.glob(".iteration_*.tmp"):
+                shutil.rmtree(debris, ignore_errors=True)  # a save killed by an earlier run
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_seen:
+            return  # a micro-batch that did not finish an optimizer step
+        self._last_seen = step
+        if self.cfg.enable_save and step % self.cfg.save_interleaved_steps == 0:
+            self.save(trainer, step)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.cfg.enable_save and not self._failed and trainer.global_step != self._last_saved:
+            self.save(trainer, trainer.global_step)
+        self.wait()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._failed = True
+        try:
+            self.wait()  # an asynchronous save already staged still completes
+        except Exception as err:  # the run's own exception is the one to report
+            log.error("lit_moe: an asynchronous checkpoint save failed: %s", err)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # save_max counts the directories of one run only: nothing carries over
+
+    # ------------------------------------------------------------------------------------------
+    # saving
+    # ------------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the previous asynchronous save has committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._thread_error is not None:
+            err, self._thread_error = self._thread_error, None
+            raise err
+
+    def save(self, trainer: "pl.Trainer", step: int) -> None:
+        self.wait()
+        comm = self._comm or Comm(None)
+        cfg = self.cfg
+        module = trainer.lightning_module
+        dumped = trainer._checkpoint_connector.dump_checkpoint(weights_only=cfg.no_save_optim)
+        model = pieces_of(dumped.pop("state_dict"))
+        optim, optim_extra, groups = None, {}, []
+        osds = dumped.pop("optimizer_states", None)
+        if not cfg.no_save_optim:
+            optim = {}
+            for i, (osd, opt) in enumerate(zip(osds or [], trainer.optimizers)):
+                osd = fqn_optimizer_state(osd, opt, module)
+                tensors, other = split_optimizer_state(i, osd)
+                optim.update(pieces_of(tensors))
+                optim_extra.update(other)
+                groups.append([dict(g) for g in osd["param_groups"]])
+        if cfg.remove_redundancy and comm.enabled:
+            keep = assign_writers(comm, model)
+            model = {k: v for k, v in model.items() if k in keep}
+            if optim is not None:
+                keep = assign_writers(comm, optim)
+                optim = {k: v for k, v in optim.items() if k in keep}
+        if cfg.async_save:
+            model = stage(model)
+            optim = stage(optim) if optim is not None else None
+        common = None
+        if comm.rank == 0:
+            common = make_common(step, comm.world, cfg.prefix, optim is not None, trainer_state=dumped,
+                                 optimizers=groups, extra=self._run_facts(trainer, module))
+        job = SaveJob(self.save_path, step, cfg.prefix, model, optim, optim_extra,
+                      rng_json=safejson.dumps(rng_state()), common=common,
+                      on_committed=self._prune if comm.rank == 0 else None)
+        prepare(comm, self.save_path, step)
+        self._last_saved = step
+        if cfg.async_save:
+            self._thread = threading.Thread(target=self._run_async, args=(comm, job), name=f"lit_moe-save-{step}",
+                                            daemon=False)
+            self._thread.start()
+        else:
+            write_and_commit(comm, job)
+
+    def _run_async(self, comm: Comm, job: SaveJob) -> None:
+        try:
+            write_and_commit(comm, job)
+        except BaseException as err:  # re-raised in the training thread by wait()
+            self._thread_error = err
+
+    def _prune(self, step: int) -> None:
+        """Rank 0, after ``step`` was committed: keep the newest ``save_max`` directories of this run."""
+        self._saved_this_run.append(step)
+        try:
+            current = read_tracker(self.save_path)
+        except Exception:
+            current = step
+        while len(self._saved_this_run) > self.cfg.save_max:
+            oldest = self._saved_this_run.pop(0)
+            if oldest != current:
+                shutil.rmtree(self.save_path / iteration_name(oldest), ignore_errors=True)
+
+    @staticmethod
+    def _run_facts(trainer: "pl.Trainer", module: Any) -> dict:
+        """MindFormers' common.json facts (informative; resume uses the Lightning state)."""
+        facts: dict[str, Any] = {"epoch_num": trainer.current_epoch}
+        training = getattr(module, "training_config", None)
+        gbs = getattr(training, "global_batch_size", None)
+        metrics = getattr(module, "step_metrics", None) or {}
+        if gbs is not None:
+            facts["global_batch_size"] = int(gbs)
+        consumed = metrics.get("consumed_samples")
+        if consumed is None and gbs is not None:
+            consumed = trainer.global_step * int(gbs)
+        if consumed is not None:
+            facts["consumed_samples"] = int(consumed)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        if dims is not None:
+            facts["layout"] = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp")
+                               if isinstance(getattr(dims, k, None), int)}
+        return facts
+
+
+def build_checkpoint_callback(cfg: CheckpointConfig) -> Optional[IterationCheckpoint]:
+    """The checkpoint callback of a run, or None when it neither saves nor resumes."""
+    if not cfg.enable_save and not cfg.load_path:
+        return None
+    return IterationCheckpoint(cfg)

@@ -1,0 +1,87 @@
+"""``lit_moe convert-hf --config pynative.yaml --checkpoint DIR --output DIR``.
+
+Exports a trained checkpoint (a ``save_path``, whose tracker is followed, or one iteration
+directory, written by any parallel layout) to the Hugging Face ``save_pretrained`` layout that
+``transformers.DeepseekV3ForCausalLM.from_pretrained`` loads. The model is rebuilt from the
+config's ``model`` section in one process on the CPU; a config that does not match the checkpoint
+fails with the mismatched tensors named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lit_moe convert-hf",
+                                description="Export a lit_moe checkpoint to the Hugging Face layout.")
+    p.add_argument("--config", required=True, help="the run's pynative.yaml (its model section is used)")
+    p.add_argument("--checkpoint", required=True, help="a save_path (tracker followed) or an iteration directory")
+    p.add_argument("--output", required=True, help="directory to write config.json and the safetensors into")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="storage dtype of the weights (default: as saved)")
+    p.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
+    return p
+
+
+def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
+            max_shard_size: str = "5GB") -> Path:
+    import torch
+    import yaml
+
+    from lit_moe.checkpoint.hf import save_pretrained
+    from lit_moe.checkpoint.iteration import IterationReader, load_module
+    from lit_moe.checkpoint.layout import CheckpointError
+    from lit_moe.checkpoint.resume import find_iteration_dir
+    from lit_moe.config import ConfigError
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    try:
+        with open(config_path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read {config_path!r}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config: {config_path!r} is not valid YAML ({str(err).splitlines()[0]})") from None
+    model_section = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model_section, dict) or not model_section:
+        raise ConfigError(f"--config: {config_path!r} has no model section")
+    config = DeepseekV3Config(**model_section)
+
+    path = Path(checkpoint).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"--checkpoint: {str(path)!r} does not exist or is not a directory")
+    reader = IterationReader(find_iteration_dir(path))
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.init_weights(0)  # buffers the checkpoint does not hold (non-persistent) get their defined values
+    load_module(model, reader)
+    out = Path(output)
+    save_pretrained(model, out, max_shard_size=max_shard_size,
+                    dtype=getattr(torch, DTYPES[dtype]) if dtype else None)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from lit_moe.checkpoint.hf import HFCheckpointError
+    from lit_moe.config import ConfigError
+
+    try:
+        out = convert(args.config, args.checkpoint, args.output, args.dtype, args.max_shard_size)
+    except (ConfigError, HFCheckpointError) as err:
+        print(f"lit_moe convert-hf: error: {err}", file=sys.stderr)
+        return 2
+    print(f"lit_moe convert-hf: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

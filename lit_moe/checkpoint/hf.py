@@ -1,0 +1,438 @@
+"""Hugging Face DeepSeek-V3 checkpoints: ``config.json`` + safetensors (sharded with an index when large).
+
+On-disk names are the real DeepSeek-V3 ones, which ``transformers.DeepseekV3ForCausalLM`` loads:
+
+| ours | Hugging Face |
+|---|---|
+| ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` | ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` |
+| ``layers.{i}.self_attention.*`` | ``model.layers.{i}.self_attn.*`` |
+| ``layers.{i}.pre_mlp_layernorm`` | ``model.layers.{i}.post_attention_layernorm`` |
+| ``layers.{i}.mlp.router.weight`` / ``.expert_bias`` | ``model.layers.{i}.mlp.gate.weight`` / ``.e_score_correction_bias`` |
+| ``layers.{i}.mlp.experts.gate_up_proj [E, H, 2I]`` | ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` / ``up_proj.weight`` ``[I, H]`` |
+| ``layers.{i}.mlp.experts.down_proj [E, I, H]`` | ``model.layers.{i}.mlp.experts.{j}.down_proj.weight [H, I]`` |
+| ``mtp.{k}.{enorm,hnorm,eh_proj}`` | ``model.layers.{L+k}.{enorm,hnorm,eh_proj}`` |
+| ``mtp.{k}.final_layernorm`` | ``model.layers.{L+k}.shared_head.norm`` |
+| ``mtp.{k}.layer.*`` | ``model.layers.{L+k}.*`` (as a decoder layer) |
+
+MTP layers also get copies of the shared embedding and head (``model.layers.{L+k}.embed_tokens`` and
+``.shared_head.head``), as in the DeepSeek release; they are ignored when loading. Reading also
+accepts transformers' merged expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``mlp.experts.down_proj [E, H, I]``). FP8 checkpoints (the original DeepSeek-V3 release) are refused
+with a clear error: dequantise them to bf16 first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+
+from lit_moe.model.config import DeepseekV3Config
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory that cannot be read or written as DeepSeek-V3."""
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+# ----------------------------------------------------------------------------------------------
+def export_problems(config: DeepseekV3Config) -> list[str]:
+    """Why ``config`` has no Hugging Face DeepSeek-V3 equivalent (empty when it has one)."""
+    c = config
+    problems = []
+    if c.normalization != "RMSNorm":
+        problems.append(f"model.normalization: {c.normalization!r} (Hugging Face DeepSeek-V3 uses RMSNorm)")
+    if not c.qk_layernorm:
+        problems.append("model.qk_layernorm: False (Hugging Face DeepSeek-V3 always normalises the latents)")
+    if c.position_embedding_type not in ("rope", "yarn"):
+        problems.append(f"model.position_embedding_type: {c.position_embedding_type!r} (Hugging Face supports rope/yarn)")
+    if c.nope_layer_interval:
+        problems.append(f"model.nope_layer_interval: {c.nope_layer_interval!r} (every Hugging Face layer uses RoPE)")
+    if c.window_size is not None:
+        problems.append(f"model.window_size: {c.window_size!r} (no sliding windows in Hugging Face DeepSeek-V3)")
+    if c.n_routed_experts and c.scoring_func != "sigmoid":
+        problems.append(f"model.scoring_func: {c.scoring_func!r} (Hugging Face DeepSeek-V3 routes with sigmoid)")
+    if c.moe_layer_freq != 1:
+        problems.append(f"model.moe_layer_freq: {c.moe_layer_freq!r} (Hugging Face supports 1)")
+    if c.n_routed_experts and c.shared_expert_intermediate_size != c.n_shared_experts * c.moe_intermediate_size:
+        problems.append(f"model.moe_shared_expert_intermediate_size: {c.moe_shared_expert_intermediate_size!r} "
+                        "(Hugging Face uses n_shared_experts * moe_intermediate_size)")
+    return problems
+
+
+def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face DeepSeek-V3 model (plus our full config under ``lit_moe``)."""
+    problems = export_problems(config)
+    if problems:
+        raise HFCheckpointError("cannot write a Hugging Face DeepSeek-V3 checkpoint: " + "; ".join(problems))
+    c = config
+    dense_only = not c.n_routed_experts
+    d: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_nextn_predict_layers": c.num_nextn_predict_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads,
+        "n_shared_experts": c.n_shared_experts,
+        "n_routed_experts": c.n_routed_experts or 1,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "kv_lora_rank": c.kv_lora_rank,
+        "q_lora_rank": c.q_lora_rank,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "topk_method": "noaux_tc",
+        "n_group": c.n_group if c.group_limited else 1,
+        "topk_group": c.topk_group if c.group_limited else 1,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": c.num_hidden_layers if dense_only else c.first_k_dense_replace,
+        "norm_topk_prob": c.norm_topk_prob,
+        "scoring_func": "sigmoid",
+        "hidden_act": ("gelu_pytorch_tanh" if c.hidden_act == "gelu" and c.gelu_approximate == "tanh"
+                       else "silu" if c.hidden_act == "fusedswiglu" else c.hidden_act),
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": c.attention_dropout,
+        "tie_word_embeddings": False,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "torch_dtype": str(dtype or c.torch_dtype("params_dtype")).replace("torch.", ""),
+        "lit_moe": c.to_dict(),
+    }
+    if c.position_embedding_type == "yarn":
+        d["rope_scaling"] = {
+            "type": "yarn", "factor": c.scaling_factor,
+            "original_max_position_embeddings": c.yarn_original_length,
+            "beta_fast": c.beta_fast, "beta_slow": c.beta_slow,
+            "mscale": c.mscale, "mscale_all_dim": c.mscale_all_dim,
+        }
+    return d
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
+    """Our config from a ``config.json`` dict (ours: its ``lit_moe`` block; otherwise the HF keys)."""
+    quant = hf.get("quantization_config") or {}
+    if quant:
+        raise HFCheckpointError(
+            f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: quantized "
+            f"(e.g. FP8) checkpoints are not supported; dequantize the weights to bf16 first")
+    if hf.get("rope_interleave") is False:
+        raise HFCheckpointError("config.json: rope_interleave=False is not supported (DeepSeek weights rotate "
+                                "interleaved pairs)")
+    if hf.get("model_type") not in (None, "deepseek_v3"):
+        raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r}, expected 'deepseek_v3'")
+    base = dict(hf["lit_moe"]) if isinstance(hf.get("lit_moe"), dict) else dict(hf)
+    base.update(overrides)
+    return DeepseekV3Config(**base)
+
+
+# ----------------------------------------------------------------------------------------------
+# key mapping
+# ----------------------------------------------------------------------------------------------
+Slicer = Callable[[torch.Tensor], torch.Tensor]   # our tensor -> view in Hugging Face orientation
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_WHOLE: Slicer = lambda t: t  # noqa: E731
+
+
+def _layer_keys(prefix: str, rest: str, t_shape: torch.Size) -> list[tuple[str, Slicer]]:
+    if rest == "pre_mlp_layernorm.weight":
+        return [(prefix + "post_attention_layernorm.weight", _WHOLE)]
+    if rest.startswith("self_attention."):
+        return [(prefix + "self_attn." + rest[len("self_attention."):], _WHOLE)]
+    if rest == "mlp.router.weight":
+        return [(prefix + "mlp.gate.weight", _WHOLE)]
+    if rest == "mlp.router.expert_bias":
+        return [(prefix + "mlp.gate.e_score_correction_bias", _WHOLE)]
+    if rest == "mlp.experts.gate_up_proj":
+        E, _, I2 = t_shape
+        I = I2 // 2
+        out = []
+        for j in range(E):
+            out.append((f"{prefix}mlp.experts.{j}.gate_proj.weight", lambda t, j=j: t[j, :, :I].t()))
+            out.append((f"{prefix}mlp.experts.{j}.up_proj.weight", lambda t, j=j: t[j, :, I:].t()))
+        return out
+    if rest == "mlp.experts.down_proj":
+        return [(f"{prefix}mlp.experts.{j}.down_proj.weight", lambda t, j=j: t[j].t()) for j in range(t_shape[0])]
+    return [(prefix + rest, _WHOLE)]
+
+
+def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int) -> list[tuple[str, Slicer]]:
+    """Hugging Face keys (with views) that hold our tensor ``name`` (canonical name)."""
+    if name in ("embed_tokens.weight", "norm.weight"):
+        return [("model." + name, _WHOLE)]
+    if name == "lm_head.weight":
+        return [(name, _WHOLE)]
+    m = _LAYER.match(name)
+    if m:
+        return _layer_keys(f"model.layers.{m.group(1)}.", m.group(2), shape)
+    m = _MTP.match(name)
+    if m:
+        prefix = f"model.layers.{num_hidden_layers + int(m.group(1))}."
+        rest = m.group(2)
+        if rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            return [(prefix + rest, _WHOLE)]
+        if rest == "final_layernorm.weight":
+            return [(prefix + "shared_head.norm.weight", _WHOLE)]
+        if rest.startswith("layer."):
+            return _layer_keys(prefix, rest[len("layer."):], shape)
+    raise HFCheckpointError(f"{name}: no Hugging Face DeepSeek-V3 equivalent")
+
+
+def _merged_expert_key(hf_key: str) -> Optional[tuple[str, int, str]]:
+    """``...mlp.experts.{j}.gate_proj.weight`` → (merged key, j, part) for transformers' merged layout."""
+    m = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", hf_key)
+    if not m:
+        return None
+    merged = m.group(1) + (".down_proj" if m.group(3) == "down_proj" else ".gate_up_proj")
+    return merged, int(m.group(2)), m.group(3)
+
+
+def _canonical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from lit_moe.model.transformer import canonical_name
+    for name, t in model.state_dict(keep_vars=True).items():
+        yield canonical_name(name), t
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+# ----------------------------------------------------------------------------------------------
+def _parse_size(size: Union[int, str]) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise HFCheckpointError(f"max_shard_size: cannot parse {size!r} (e.g. 5GB, 500MB or a byte count)")
+    unit = m.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = " KMGT".index(unit[0]) if unit[0] in "KMGT" else 0
+    return int(float(m.group(1)) * base ** power)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
+                    max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None) -> None:
+    """Write ``model`` (a ``DeepseekV3ForCausalLM``) as a Hugging Face DeepSeek-V3 directory.
+
+    ``dtype``: storage dtype of the weights (default: as they are); the router weight and expert bias
+    stay fp32, as transformers keeps them. Sharded files + ``model.safetensors.index.json`` when the
+    total exceeds ``max_shard_size``. DTensor parameters are gathered (every rank must call); only rank
+    0 writes."""
+    from safetensors.torch import save_file
+
+    config: DeepseekV3Config = model.config
+    hf_cfg = hf_config_dict(config, dtype)
+    L = config.num_hidden_layers
+    limit = _parse_size(max_shard_size)
+
+    entries: list[tuple[str, str, Slicer, torch.dtype, int]] = []   # hf key, our name, view, dtype, bytes
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in _canonical_tensors(model):
+        tensors[name] = t
+        for hf_key, view in hf_keys(name, t.shape, L):
+            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            out_dtype = t.dtype if (dtype is None or keep_fp32) else dtype
+            numel = view(torch.empty(t.shape, device="meta")).numel()
+            entries.append((hf_key, name, view, out_dtype, numel * out_dtype.itemsize))
+    for k in range(config.num_nextn_predict_layers):   # DeepSeek's MTP layers carry copies of the shared tensors
+        prefix = f"model.layers.{L + k}."
+        for hf_key, name in ((prefix + "embed_tokens.weight", "embed_tokens.weight"),
+                             (prefix + "shared_head.head.weight", "lm_head.weight")):
+            t = tensors[name]
+            out_dtype = dtype or t.dtype
+            entries.append((hf_key, name, _WHOLE, out_dtype, t.numel() * out_dtype.itemsize))
+
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, e in enumerate(entries):
+        if shards[-1] and size + e[4] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += e[4]
+
+    writer = not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                  and torch.distributed.get_rank() != 0)
+    directory = Path(directory)
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    full_cache: dict[str, torch.Tensor] = {}
+    for s, shard in enumerate(shards):
+        fname = SINGLE_FILE if n == 1 else f"model-{s + 1:05d}-of-{n:05d}.safetensors"
+        out: dict[str, torch.Tensor] = {}
+        for i in shard:
+            hf_key, name, view, out_dtype, _ = entries[i]
+            if name not in full_cache:
+                full_cache = {name: _full(tensors[name]).detach()}   # keep one gathered tensor at a time
+            out[hf_key] = view(full_cache[name]).to(device="cpu", dtype=out_dtype, copy=True).contiguous()
+            weight_map[hf_key] = fname
+        if writer:
+            save_file(out, str(directory / fname), metadata={"format": "pt"})
+    if writer:
+        if n > 1:
+            total = sum(e[4] for e in entries)
+            with open(directory / INDEX_FILE, "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        elif (directory / INDEX_FILE).exists():
+            (directory / INDEX_FILE).unlink()
+        with open(directory / CONFIG_FILE, "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+# ----------------------------------------------------------------------------------------------
+class _Reader:
+    """Lazy access to the tensors of a safetensors directory (single file or index)."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        index = directory / INDEX_FILE
+        if index.exists():
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: directory / v for k, v in weight_map.items()}
+        elif (directory / SINGLE_FILE).exists():
+            with safe_open(str(directory / SINGLE_FILE), "pt") as f:
+                self.files = {k: directory / SINGLE_FILE for k in f.keys()}
+        else:
+            raise HFCheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+        for path in set(self.files.values()):
+            if not path.exists():
+                raise HFCheckpointError(f"{path}: listed in {INDEX_FILE} but missing")
+        self._handles: dict[Path, Any] = {}
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, key: str) -> torch.Tensor:
+        path = self.files[key]
+        if path not in self._handles:
+            self._handles[path] = self._open(str(path), "pt")
+        return self._handles[path].get_tensor(key)
+
+
+def _ignorable(key: str, config: DeepseekV3Config) -> bool:
+    L, D = config.num_hidden_layers, config.num_nextn_predict_layers
+    if key.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"^model\.layers\.(\d+)\.", key)
+    if m and int(m.group(1)) >= L:
+        layer = int(m.group(1))
+        # copies of the shared embedding/head, or MTP depths beyond the ones we build
+        return layer >= L + D or key.endswith(("embed_tokens.weight", "shared_head.head.weight"))
+    return False
+
+
+def load_pretrained(directory: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
+                    model_cls: Optional[type] = None, **config_overrides: Any) -> torch.nn.Module:
+    """Build a ``DeepseekV3ForCausalLM`` from a Hugging Face DeepSeek-V3 directory.
+
+    Missing tensors, unexpected tensors, shape mismatches and FP8 weights are errors naming the key.
+    ``config_overrides`` set fields of our config (training-side ones such as ``compute_dtype``)."""
+    if model_cls is None:
+        from lit_moe.model.transformer import DeepseekV3ForCausalLM as model_cls
+    directory = Path(directory)
+    cfg_path = directory / CONFIG_FILE
+    if not cfg_path.exists():
+        raise HFCheckpointError(f"{cfg_path}: not found")
+    with open(cfg_path) as f:
+        config = config_from_hf(json.load(f), **config_overrides)
+    reader = _Reader(directory)
+    available = reader.keys()
+    fp8 = [k for k in available if k.endswith(("weight_scale_inv", "weight_scale"))]
+    if fp8:
+        raise HFCheckpointError(f"{directory}: FP8-quantized weights ({fp8[0]} ...) are not supported; "
+                                "dequantize the checkpoint to bf16 first")
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for b in model.buffers():
+            b.zero_()
+
+    consumed: set[str] = set()
+    missing: list[str] = []
+    merged_cache: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, param in _canonical_tensors(model):
+            for hf_key, view in hf_keys(name, param.shape, config.num_hidden_layers):
+                target = view(param)
+                if hf_key in available:
+                    src = reader.get(hf_key)
+                    consumed.add(hf_key)
+                else:
+                    src = _from_merged(hf_key, available, reader, merged_cache, consumed)
+                    if src is None:
+                        missing.append(hf_key)
+                        continue
+                if src.dtype in _FP8_DTYPES:
+                    raise HFCheckpointError(f"{hf_key}: {src.dtype} weights are not supported; dequantize the "
+                                            "checkpoint to bf16 first")
+                if tuple(src.shape) != tuple(target.shape):
+                    raise HFCheckpointError(f"{hf_key}: shape {tuple(src.shape)} in the checkpoint, the model "
+                                            f"(config.json) expects {tuple(target.shape)}")
+                target.copy_(src)
+    if missing:
+        raise HFCheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. {', '.join(missing[:5])}")
+    unexpected = sorted(k for k in available - consumed if not _ignorable(k, config))
+    if unexpected:
+        raise HFCheckpointError(f"{directory}: {len(unexpected)} unexpected tensor(s), e.g. "
+                                f"{', '.join(unexpected[:5])}")
+    return model
+
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def _from_merged(hf_key: str, available: set[str], reader: _Reader, cache: dict[str, torch.Tensor],
+                 consumed: set[str]) -> Optional[torch.Tensor]:
+    """One expert's weight out of transformers' merged ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
+    parsed = _merged_expert_key(hf_key)
+    if parsed is None:
+        return None
+    merged, j, part = parsed
+    if merged not in available:
+        return None
+    if merged not in cache:
+        cache.clear()
+        cache[merged] = reader.get(merged)
+        consumed.add(merged)
+    t = cache[merged][j]
+    if part == "down_proj":
+        return t
+    half = t.shape[0] // 2
+    return t[:half] if part == "gate_proj" else t[half:]

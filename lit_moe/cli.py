@@ -1,0 +1,424 @@
+"""The ``lit_moe`` console script.
+
+``lit_moe fit --config pynative.yaml`` reads the flat MindFormers sections (``checkpoint``, ``training``,
+``optimizer``, ``lr_scheduler``, ``parallelism``, ``recompute``, ``recompute_comm``, ``train_dataset``,
+``model``, ``monitor``, ``callbacks``, ``profiler``, ``context``; ``trainer:`` is an expert escape hatch),
+validates everything before anything large is allocated, then builds the LightningModule, the DataModule,
+the strategy and the callbacks and runs ``Trainer.fit``.
+
+The other subcommands (``plan``, ``preprocess``, ``convert-config``, ``convert-hf``) are plain argparse
+programs living next to the code they drive.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Optional
+
+from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import LightningCLI
+
+from lit_moe.config import (
+    CheckpointConfig,
+    ConfigError,
+    ContextConfig,
+    MonitorConfig,
+    ParallelismConfig,
+    ProfilerConfig,
+    RecomputeCommConfig,
+    RecomputeConfig,
+    TrainDatasetConfig,
+    TrainingConfig,
+    to_dict,
+)
+
+# Subcommands that are not Trainer methods, and where they live.
+TOOLS = {
+    "plan": "lit_moe.strategies.plan",
+    "preprocess": "lit_moe.data.preprocess",
+    "convert-config": "lit_moe.convert_config",
+    "convert-hf": "lit_moe.checkpoint.convert_hf",
+}
+
+# Sections with fixed keys (unknown keys are errors) and their dataclasses.
+FIXED_SECTIONS = {
+    "checkpoint": CheckpointConfig,
+    "training": TrainingConfig,
+    "parallelism": ParallelismConfig,
+    "recompute": RecomputeConfig,
+    "recompute_comm": RecomputeCommConfig,
+    "train_dataset": TrainDatasetConfig,
+    "monitor": MonitorConfig,
+    "profiler": ProfilerConfig,
+    "context": ContextConfig,
+}
+# Sections that accept extra keys (MindFormers ``allow_extra``): kept as dicts, validated by consumers.
+OPEN_SECTIONS = ("model", "optimizer", "lr_scheduler")
+
+
+def world_size_from(trainer_cfg: dict) -> int:
+    """The number of processes the run will have, known before any of them starts."""
+    if "WORLD_SIZE" in os.environ:  # torchrun, SLURM through Lightning's environments
+        return int(os.environ["WORLD_SIZE"])
+    devices = trainer_cfg.get("devices", "auto")
+    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, int):
+        n = devices
+    elif isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        n = int(devices)
+        if n == -1:
+            n = _auto_device_count(trainer_cfg)
+    else:
+        n = _auto_device_count(trainer_cfg)
+    return n * nodes
+
+
+def _auto_device_count(trainer_cfg: dict) -> int:
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    accel = trainer_cfg.get("accelerator", "auto")
+    if isinstance(accel, str) and accel in AcceleratorRegistry:
+        cls = AcceleratorRegistry[accel]["accelerator"]
+        return cls.auto_device_count() if cls.is_available() else 1
+    return 1  # "auto" on a CPU machine, and Lightning picks one device for CPU by default
+
+
+class LitMoECLI(LightningCLI):
+    """LightningCLI over the flat ``pynative.yaml`` sections."""
+
+    def __init__(self, args: Optional[list[str]] = None) -> None:
+        super().__init__(
+            model_class=None,
+            datamodule_class=None,
+            save_config_callback=None,
+            seed_everything_default=False,  # training.seed seeds everything (before_instantiate_classes)
+            parser_kwargs={"parser_mode": "yaml", "exit_on_error": False},
+            auto_configure_optimizers=False,
+            load_from_checkpoint_support=False,
+            args=args,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+    # -- parser -----------------------------------------------------------------------------
+    def add_core_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        for name, cls in FIXED_SECTIONS.items():
+            parser.add_argument(f"--{name}", type=cls, default=cls(), help=f"The `{name}` section.")
+        for name in OPEN_SECTIONS:
+            parser.add_argument(f"--{name}", type=dict[str, Any], default={}, help=f"The `{name}` section (extra keys allowed).")
+        parser.add_argument("--callbacks", type=Optional[list[dict[str, Any]]], default=None,
+                            help="User callbacks: a list of {class_path, init_args}.")
+        parser.add_argument("--gradient_accumulation_steps", type=Optional[int], default=None,
+                            help="Graph-mode option: translated into training.global_batch_size.")
+
+    def _add_instantiators(self) -> None:  # no class_path model/data to instantiate
+        pass
+
+    # -- build --------------------------------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        parser = self._parser(self.subcommand)
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+        # Sections become dataclasses; `trainer.callbacks`/plugins given as class_path become objects.
+        self.config_init = {self.subcommand: instantiate(self.config[self.subcommand])}
+        try:
+            self.run = build_run(self.config_init[self.subcommand])
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as err:
+            # Validation of the sections (model config, layout, schedule, ...) raises ValueError
+            # naming the field; here it is a configuration error, reported as one line.
+            raise ConfigError(str(err)) from None
+
+    def instantiate_classes(self) -> None:
+        self.model = self.run.module
+        self.datamodule = self.run.datamodule
+        trainer_section = _namespace_to_dict(self.config_init[self.subcommand].get("trainer"))
+        self.trainer = self.run.make_trainer(trainer_section)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        return {"model": self.model, "datamodule": self.datamodule, "ckpt_path": self.run.ckpt_path}
+
+
+class Run:
+    """Everything ``lit_moe fit`` builds, resolved from the parsed sections."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def make_trainer(self, trainer_cfg: dict[str, Any]):
+        from lightning.pytorch import Trainer
+
+        user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
+        defaults = {
+            "max_steps": self.training.steps,
+            "max_epochs": -1,
+            "precision": "32-true",  # compute dtype comes from the model section via the strategy
+            "strategy": self.strategy,
+            "logger": self.logger if self.logger is not None else False,
+            "enable_checkpointing": False,  # our checkpoint callback owns the iteration directories
+            "num_sanity_val_steps": 0,
+            "limit_val_batches": 0,
+            "use_distributed_sampler": False,  # the DataModule shards by data-parallel rank itself
+            "deterministic": self.training.deterministic,
+            "log_every_n_steps": 1,
+            "gradient_clip_val": None,
+        }
+        accelerator = _accelerator_from_context(self.context)
+        if accelerator is not None:
+            defaults["accelerator"] = accelerator
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            defaults["devices"] = int(os.environ["LOCAL_WORLD_SIZE"])
+        # The `trainer:` section overrides only what the user actually wrote there.
+        explicit = {k: v for k, v in trainer_cfg.items() if k in self.explicit_trainer_keys}
+        merged = {**defaults, **explicit}
+        if merged.get("strategy") in (None, "auto"):
+            merged["strategy"] = self.strategy
+        merged["callbacks"] = self.callbacks + user_callbacks
+        return Trainer(**merged)
+
+
+def _accelerator_from_context(context: ContextConfig) -> Optional[str]:
+    target = (context.device_target or "").strip().lower()
+    if not target:
+        return None
+    table = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "npu": "npu", "ascend": "npu"}
+    if target not in table:
+        raise ConfigError(f"context.device_target: unknown device {context.device_target!r}; "
+                          "supported: cpu, cuda (gpu), npu (Ascend)")
+    return table[target]
+
+
+def _as_dataclass(value: Any, cls: type) -> Any:
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls(**value)
+    # jsonargparse Namespace
+    return cls(**{k: getattr(value, k) for k in value.__dict__ if not k.startswith("_")})
+
+
+def build_run(cfg: Any) -> Run:
+    """Validate every section and build the run's pieces, before any large allocation."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lit_moe.data import MegatronDataModule
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.module import LitMoE
+    from lit_moe.schedules import build_lr_lambda
+    from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
+
+    run = Run(cfg)
+    training: TrainingConfig = _as_dataclass(cfg.get("training"), TrainingConfig)
+    parallelism: ParallelismConfig = _as_dataclass(cfg.get("parallelism"), ParallelismConfig)
+    recompute: RecomputeConfig = _as_dataclass(cfg.get("recompute"), RecomputeConfig)
+    recompute_comm: RecomputeCommConfig = _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig)
+    checkpoint: CheckpointConfig = _as_dataclass(cfg.get("checkpoint"), CheckpointConfig)
+    train_dataset: TrainDatasetConfig = _as_dataclass(cfg.get("train_dataset"), TrainDatasetConfig)
+    monitor: MonitorConfig = cfg.get("monitor")
+    profiler: ProfilerConfig = _as_dataclass(cfg.get("profiler"), ProfilerConfig)
+    context: ContextConfig = cfg.get("context")
+    model_section = dict(cfg.get("model") or {})
+    optimizer_section = dict(cfg.get("optimizer") or {})
+    lr_section = dict(cfg.get("lr_scheduler") or {})
+    trainer_section = _namespace_to_dict(cfg.get("trainer"))
+
+    _check_training(training)
+    if not model_section:
+        raise ConfigError("model: the section is missing or empty")
+    model_config = DeepseekV3Config(**model_section)
+
+    seq_length = _dataset_seq_length(train_dataset, model_config)
+    dl_config = (train_dataset.dataloader or {}).get("config")
+    if isinstance(dl_config, dict) and "vocab_size" not in dl_config:
+        # Mock data (no data_path) draws token ids below the model's vocabulary.
+        dl_config["vocab_size"] = model_config.vocab_size
+
+    world_size = world_size_from(trainer_section)
+    dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
+                        tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
+                        pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
+    dims.validate_model(model_config, seq_length)
+    gas = cfg.get("gradient_accumulation_steps")
+    if gas is not None:
+        from lit_moe.convert_config import global_batch_from_accumulation
+
+        training.global_batch_size = global_batch_from_accumulation(gas, dims.dp, training.local_batch_size)
+        print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
+              f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
+    accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
+
+    try:
+        from lit_moe.strategies.recompute import validate_recompute
+    except ImportError:  # pragma: no cover - recompute lands with the strategy
+        validate_recompute = None
+    if validate_recompute is not None:
+        validate_recompute(recompute, recompute_comm, model_config.total_layers)
+
+    build_lr_lambda(lr_section, training.steps)  # validates the schedule section
+    _check_optimizer(optimizer_section)
+
+    from lit_moe.checkpoint import build_checkpoint_callback, resolve_load
+
+    load = resolve_load(checkpoint, model_config)
+
+    # Everything is valid: seed and build.
+    pl.seed_everything(training.seed, workers=True, verbose=False)
+    if training.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    run.training = training
+    run.context = context
+    run.model_config = model_config
+    run.accumulation_steps = accumulation
+    run.ckpt_path = load.ckpt_path
+    run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
+                        weights_loader=load.weights_loader)
+    run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
+                                        seed=training.seed, seq_length=seq_length)
+    run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
+                                      recompute_comm=recompute_comm, model_config=model_config,
+                                      timeout=_timeout(parallelism))
+
+    from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
+
+    resolved = _resolved_config(cfg)
+    builtin = list(build_callbacks(monitor, profiler, context, model_config, seq_length, resolved))
+    ckpt_cb = build_checkpoint_callback(checkpoint)
+    if ckpt_cb is not None:
+        builtin.append(ckpt_cb)
+    user = load_callbacks(cfg.get("callbacks"), base_dir=_CONFIG_DIR[0] if _CONFIG_DIR else None)
+    run.callbacks = merge_callbacks(builtin, user)
+    run.logger = build_logger(monitor)
+    run.explicit_trainer_keys = set(_explicit_trainer_keys())
+    return run
+
+
+def _timeout(parallelism: ParallelismConfig):
+    from datetime import timedelta
+
+    return timedelta(seconds=parallelism.process_group_timeout_s)
+
+
+def _namespace_to_dict(ns: Any) -> dict:
+    if ns is None:
+        return {}
+    if isinstance(ns, dict):
+        return ns
+    return {k: v for k, v in vars(ns).items()}
+
+
+def _resolved_config(cfg: Any) -> dict:
+    out = {}
+    for key in list(FIXED_SECTIONS) + list(OPEN_SECTIONS) + ["callbacks"]:
+        value = cfg.get(key)
+        if hasattr(value, "__dict__") and not isinstance(value, dict):
+            value = _namespace_to_dict(value)
+        out[key] = to_dict(value)
+    return out
+
+
+def _check_training(t: TrainingConfig) -> None:
+    for name in ("steps", "local_batch_size", "global_batch_size"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"training.{name}: must be a positive integer, got {value!r}")
+    if t.max_norm < 0:
+        raise ConfigError(f"training.max_norm: must be >= 0 (0 disables clipping), got {t.max_norm!r}")
+
+
+def _check_optimizer(section: dict) -> None:
+    from lit_moe.optim import validate_optimizer_section
+
+    validate_optimizer_section(section)
+
+
+def _dataset_seq_length(ds: TrainDatasetConfig, model_config) -> int:
+    dl = ds.dataloader or {}
+    seq = (dl.get("config") or {}).get("seq_length")
+    model_seq = getattr(model_config, "seq_length", None)
+    if seq is None:
+        seq = model_seq
+    if seq is None:
+        raise ConfigError("train_dataset.dataloader.config.seq_length: missing (and model.seq_length is not set)")
+    if model_seq is not None and int(model_seq) != int(seq):
+        raise ConfigError(f"train_dataset.dataloader.config.seq_length: {seq} differs from model.seq_length "
+                          f"{model_seq}")
+    return int(seq)
+
+
+_EXPLICIT_TRAINER_KEYS: list[str] = []
+_CONFIG_DIR: list[str] = []  # directory of the --config file: user callback modules may live there
+
+
+def _explicit_trainer_keys() -> list[str]:
+    return list(_EXPLICIT_TRAINER_KEYS)
+
+
+def _record_explicit_trainer_keys(argv: list[str]) -> None:
+    """Remember which Trainer arguments the user set (in the YAML ``trainer:`` block or ``--trainer.x``),
+    so that our defaults (max_steps from training.steps, our strategy, …) yield only to those."""
+    import yaml
+
+    keys: set[str] = set()
+    _CONFIG_DIR[:] = []
+    for i, a in enumerate(argv):
+        if a.startswith("--trainer."):
+            keys.add(a[len("--trainer."):].split("=", 1)[0].split(".", 1)[0])
+        if a in ("--config", "-c") and i + 1 < len(argv):
+            path = argv[i + 1]
+            _CONFIG_DIR[:] = [os.path.dirname(os.path.abspath(path))]
+            try:
+                with open(path) as f:
+                    data = yaml.safe_load(f) or {}
+            except OSError:
+                continue  # the parser reports the missing file
+            except yaml.YAMLError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("trainer"), dict):
+                keys.update(data["trainer"].keys())
+    _EXPLICIT_TRAINER_KEYS[:] = sorted(keys)
+
+
+def _one_line(message: str) -> str:
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    return " ".join(lines[:3]) if lines else "invalid configuration"
+
+
+def main(args: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] in TOOLS:
+        tool = importlib.import_module(TOOLS[argv[0]])
+        return int(tool.main(argv[1:]) or 0)
+    _record_explicit_trainer_keys(argv)
+    from jsonargparse import ArgumentError
+
+    from lit_moe.callbacks import SkipLimitExceeded
+
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            LitMoECLI(args=argv)
+    except (ConfigError, ArgumentError) as err:
+        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except SkipLimitExceeded as err:
+        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

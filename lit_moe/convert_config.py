@@ -1,0 +1,700 @@
+"""``lit_moe convert-config graph.yaml -o pynative.yaml``: a MindFormers graph-mode config → ``pynative.yaml``.
+
+The mapping is the seed's ("与 Graph 模式对应关系" tables of the PyNative configuration guide, and the
+graph-mode feature switches of the training-features guide):
+
+============================================  ==========================================================
+graph.yaml                                    pynative.yaml
+============================================  ==========================================================
+``seed``                                      ``training.seed``
+``runner_config.batch_size``                  ``training.local_batch_size``
+``runner_config.gradient_accumulation_steps``  ``training.global_batch_size`` = A × data_parallel × batch
+                                              (with ``pipeline_stage > 1`` graph mode accumulates
+                                              ``micro_batch_num`` micro-batches instead, so A = that)
+``lr_schedule.total_steps`` (> 0)             ``training.steps`` (-1: ``epochs × sizes[0] // global batch``)
+``lr_schedule.*``                             ``lr_scheduler.*``; ``warmup_steps`` → ``warmup_ratio`` over
+                                              the total steps; ``lr_end``/``warmup_lr_init`` kept when the
+                                              schedule reads them (lit_moe's schedules do)
+``optimizer.*``                               ``optimizer.*`` (``swap`` dropped)
+``parallel_config.model_parallel``            ``parallelism.tensor_parallel``
+``parallel_config.expert_parallel``           ``parallelism.expert_parallel``
+``parallel_config.context_parallel``          ``parallelism.context_parallel``
+``parallel_config.data_parallel``             the layout: ``data_parallel_shard: -1`` (FSDP over the implicit
+                                              data-parallel size = world / (tp × cp)), and the global batch
+``recompute_config.recompute`` / ``select_recompute``  ``recompute.mode`` full (every layer, or the first
+                                              N / per-stage counts given) | select (core attention)
+``recompute_config.mp_comm_recompute``        ``recompute_comm.enable`` (+ the tensor-parallel all-gathers)
+``runner_wrapper.use_clip_grad`` / ``max_grad_norm``  ``training.max_norm`` (0 when clipping is off,
+                                              graph mode's default)
+``model.model_config.*``                      ``model.*`` (flattened)
+``moe_config.use_gmm``                        ``model.moe_grouped_gemm``
+``moe_config.capacity_factor``                ``model.moe_expert_capacity_factor`` (<= 0: dropless)
+``moe_config.enable_gmm_safe_tokens``         nothing to set: lit_moe's grouped GEMM takes experts with no
+                                              tokens (the error it worked around cannot happen)
+``moe_config.callback_moe_droprate``          nothing to set: the MoE metrics callback reports
+                                              ``moe/drop_rate`` whenever a capacity is set
+``moe_config`` (legacy MoE names)             ``model`` (``expert_num`` → ``n_routed_experts``, …)
+``model_config.use_fused_rope``/``use_fused_swiglu``  ``model.*`` (same names)
+``context.affinity_config``                   ``context.affinity_config`` (``affinity_cpu_list`` per device)
+``train_dataset.data_loader``                 ``train_dataset.dataloader`` (``config.seed`` and
+                                              ``config.num_dataset_builder_threads`` dropped)
+============================================  ==========================================================
+
+Every other key (the seed's "Graph 独有配置项": ``output_dir``, ``trainer``, ``runner_config`` beyond the
+batch, ``context`` beyond affinity, ``parallel``, ``callbacks``, ``runner_wrapper`` beyond clipping, the
+``profile*`` keys, ``model_config.offset``, …) has no PyNative meaning and is named in one warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lit_moe.config import (CheckpointConfig, ConfigError, ContextConfig, MonitorConfig, ParallelismConfig,
+                            ProfilerConfig, RecomputeCommConfig, RecomputeConfig, TrainDatasetConfig,
+                            TrainingConfig)
+
+
+class GraphOnlyKeysWarning(UserWarning):
+    """graph.yaml keys with no PyNative meaning (dropped by the conversion)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# tables
+# ----------------------------------------------------------------------------------------------
+# Graph-mode optimizers that are AdamW with fp32 states (MindFormers' registry names).
+_ADAMW_FAMILY = ("AdamW", "AdamWeightDecay", "FusedAdamWeightDecay", "FP32StateAdamWeightDecay",
+                 "AdamWeightDecayX")
+# Keys of model.model_config that only graph mode reads (seed appendix).
+_GRAPH_ONLY_MODEL_KEYS = ("offset", "pp_interleave_num", "use_attn_mask_compression", "apply_rope_fusion",
+                          "bias_swiglu_fusion", "use_fused_ops_topkrouter", "type")
+# Legacy ``moe_config`` names → model keys.
+_MOE_CONFIG_TO_MODEL = {
+    "expert_num": "n_routed_experts",
+    "num_experts_chosen": "num_experts_per_tok",
+    "shared_expert_num": "n_shared_experts",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "norm_topk_prob": "norm_topk_prob",
+    "first_k_dense_replace": "first_k_dense_replace",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "topk_group": "topk_group",
+    "n_group": "n_group",
+    "router_dense_type": "router_dense_type",
+    "aux_loss_factor": "moe_aux_loss_coeff",
+    "balance_via_topk_bias": "moe_router_enable_expert_bias",
+    "topk_bias_update_rate": "moe_router_bias_update_rate",
+    "use_gmm": "moe_grouped_gemm",
+    "capacity_factor": "moe_expert_capacity_factor",
+    "use_gating_sigmoid": "scoring_func",
+    "use_pad_tokens": "use_pad_tokens",
+}
+# Regex for ``recompute_comm.select_module`` standing for graph mode's ``mp_comm_recompute``: the
+# tensor/sequence-parallel all-gathers of every layer (not the FSDP parameter gather).
+MP_COMM_PATTERN = r"(?!fsdp\.).*all_gather"
+# What ``select_recompute: True`` recomputes: the core attention (softmax and its inputs), Megatron's
+# "selective activation recompute".
+SELECT_PATTERN = r"self_attention\.core_attention"
+
+_PYNATIVE_ORDER = ("checkpoint", "training", "optimizer", "lr_scheduler", "parallelism", "recompute",
+                   "recompute_comm", "train_dataset", "model", "monitor", "profiler", "context")
+_FIXED_SECTIONS = {"checkpoint": CheckpointConfig, "training": TrainingConfig, "parallelism": ParallelismConfig,
+                   "recompute": RecomputeConfig, "recompute_comm": RecomputeCommConfig,
+                   "train_dataset": TrainDatasetConfig, "monitor": MonitorConfig, "profiler": ProfilerConfig,
+                   "context": ContextConfig}
+
+
+@dataclass
+class Conversion:
+    """The result: the ``pynative.yaml`` sections, the dropped graph keys, and notes on the mapping."""
+
+    pynative: dict[str, Any]
+    dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure helpers (also used by ``lit_moe fit``)
+# ----------------------------------------------------------------------------------------------
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+    return value
+
+
+def global_batch_from_accumulation(steps: int, data_parallel: int, local_batch_size: int) -> int:
+    """Graph mode's ``gradient_accumulation_steps`` as PyNative's ``training.global_batch_size``:
+    ``steps × data_parallel × local_batch_size`` (so that ``global // (dp × local)`` gives ``steps`` back)."""
+    return (_positive_int(steps, "gradient_accumulation_steps") * _positive_int(data_parallel, "data_parallel")
+            * _positive_int(local_batch_size, "training.local_batch_size"))
+
+
+def translate_gradient_accumulation(argv: list[str], data_parallel: int,
+                                    local_batch_size: Optional[int] = None) -> list[str]:
+    """``lit_moe fit`` arguments with ``--gradient_accumulation_steps N`` replaced by
+    ``--training.global_batch_size=N×dp×local`` (a note saying so goes to stderr). ``local_batch_size``
+    defaults to the ``--training.local_batch_size`` override, else the ``--config`` file's
+    ``training.local_batch_size``, else 1. Arguments without the option come back unchanged."""
+    out: list[str] = []
+    steps_text: Optional[str] = None
+    names = ("--gradient_accumulation_steps", "--gradient-accumulation-steps")
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name}: missing value")
+                value = argv[i + 1]
+                i += 1
+            steps_text = value
+        else:
+            out.append(arg)
+        i += 1
+    if steps_text is None:
+        return list(argv)
+    try:
+        steps = int(steps_text)
+    except ValueError:
+        raise ConfigError(f"--gradient_accumulation_steps: expected an integer, got {steps_text!r}") from None
+    if local_batch_size is None:
+        local_batch_size = _local_batch_from_args(out)
+    total = global_batch_from_accumulation(steps, data_parallel, local_batch_size)
+    print(f"lit_moe: --gradient_accumulation_steps {steps} is graph mode's option; using "
+          f"training.global_batch_size={total} (= {steps} × data_parallel {data_parallel} × local_batch_size "
+          f"{local_batch_size}); set training.global_batch_size in pynative.yaml instead", file=sys.stderr)
+    return out + [f"--training.global_batch_size={total}"]
+
+
+def _local_batch_from_args(argv: list[str]) -> int:
+    import yaml
+
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == "--training.local_batch_size":
+            return int(value if eq else argv[i + 1])
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-c"):
+            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            try:
+                with open(path) as f:
+                    data = yaml.safe_load(f) or {}
+                return int((data.get("training") or {}).get("local_batch_size", 1))
+            except (OSError, TypeError, ValueError, AttributeError, yaml.YAMLError):
+                return 1
+    return 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the conversion
+# ----------------------------------------------------------------------------------------------
+def _section(graph: dict, key: str) -> dict:
+    value = graph.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return value
+
+
+def _int(value: Any, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _leftovers(prefix: str, section: dict, used: set[str], out: list[str]) -> None:
+    out.extend(f"{prefix}.{k}" for k in section if k not in used)
+
+
+class _Converter:
+    def __init__(self, graph: dict, world_size: Optional[int], steps: Optional[int]):
+        if not isinstance(graph, dict):
+            raise ConfigError(f"graph config: expected a mapping of sections, got {type(graph).__name__}")
+        self.g = graph
+        self.world_size = world_size
+        self.steps_override = steps
+        self.out: dict[str, Any] = {}
+        self.dropped: list[str] = []
+        self.notes: list[str] = []
+        self.used_top: set[str] = set()
+
+    def section(self, key: str) -> dict:
+        self.used_top.add(key)
+        return _section(self.g, key)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def run(self) -> Conversion:
+        model = self.model()
+        parallel = self.parallelism()
+        training = self.training(parallel)
+        self.optimizer()
+        self.lr_scheduler(training["steps"])
+        self.recompute(model)
+        self.train_dataset()
+        self.context()
+        # Whatever is left at the top level has no PyNative meaning.
+        self.dropped.extend(k for k in self.g if k not in self.used_top)
+        ordered = {k: self.out[k] for k in _PYNATIVE_ORDER if k in self.out}
+        return Conversion(ordered, self.dropped, self.notes)
+
+    def model(self) -> dict:
+        model_graph = self.section("model")
+        model_config = model_graph.get("model_config")
+        if model_config is None:
+            model_config = {}
+        if not isinstance(model_config, dict):
+            raise ConfigError(f"model.model_config: expected a mapping, got {model_config!r}")
+        _leftovers("model", model_graph, {"model_config"}, self.dropped)
+        model: dict[str, Any] = {}
+        for key, value in model_config.items():
+            if key in _GRAPH_ONLY_MODEL_KEYS:
+                self.dropped.append(f"model.model_config.{key}")
+            elif key == "moe_token_drop_policy" and not isinstance(value, str):
+                # graph configs write False for "no dropping"; PyNative names a policy or leaves it out
+                self.dropped.append(f"model.model_config.{key}")
+            elif key == "architectures" and isinstance(value, (list, tuple)) and len(value) == 1:
+                model[key] = value[0]
+            else:
+                model[key] = value
+        self.moe_config(model)
+        self.out["model"] = model
+        return model
+
+    def moe_config(self, model: dict) -> None:
+        moe = self.section("moe_config")
+        if not moe:
+            return
+        aliases = _model_aliases()
+        present = {aliases.get(k, k) for k in model}
+        for key, value in moe.items():
+            target = _MOE_CONFIG_TO_MODEL.get(key)
+            if key == "enable_gmm_safe_tokens":
+                self.notes.append("moe_config.enable_gmm_safe_tokens: nothing to set; lit_moe's grouped GEMM "
+                                  "accepts experts that receive no tokens")
+                continue
+            if key == "callback_moe_droprate":
+                if value:
+                    self.notes.append("moe_config.callback_moe_droprate: the MoE metrics callback "
+                                      "(monitor.moe_monitor) logs moe/drop_rate whenever a capacity is set")
+                continue
+            if target is None:
+                self.dropped.append(f"moe_config.{key}")
+                continue
+            if key == "use_gating_sigmoid":
+                value = "sigmoid" if value else "softmax"
+            if key == "capacity_factor":
+                if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0):
+                    self.notes.append(f"moe_config.capacity_factor: {value!r} means no capacity (dropless)")
+                    continue
+            if target in present:
+                if model.get(target, value) != value:
+                    self.notes.append(f"moe_config.{key}: {value!r} ignored; model.model_config sets "
+                                      f"{target} to {model[target]!r}")
+                continue
+            model[target] = value
+            present.add(target)
+
+    def parallelism(self) -> dict:
+        pc = self.section("parallel_config")
+        used = {"data_parallel", "model_parallel", "expert_parallel", "context_parallel"}
+        dp = _int(pc.get("data_parallel", 1), "parallel_config.data_parallel", 1)
+        tp = _int(pc.get("model_parallel", 1), "parallel_config.model_parallel", 1)
+        ep = _int(pc.get("expert_parallel", 1), "parallel_config.expert_parallel", 1)
+        cp = _int(pc.get("context_parallel", 1), "parallel_config.context_parallel", 1)
+        pp = _int(pc.get("pipeline_stage", 1), "parallel_config.pipeline_stage", 1)
+        micro = _int(pc.get("micro_batch_num", 1), "parallel_config.micro_batch_num", 1)
+        if pp > 1:
+            used.add("micro_batch_num")  # it is graph mode's accumulation count then
+            self.notes.append(f"parallel_config.pipeline_stage: {pp} dropped (no pipeline parallelism in "
+                              "PyNative); its stages become data-parallel ranks")
+        _leftovers("parallel_config", pc, used, self.dropped)
+
+        parallelism = {"data_parallel_shard": -1, "data_parallel_shard_strategy": "optim_grads_params",
+                       "tensor_parallel": tp, "expert_parallel": ep}
+        if cp > 1:
+            parallelism["context_parallel"] = cp
+        self.out["parallelism"] = parallelism
+        layout = dp * tp * cp
+        self.notes.append(f"layout: data_parallel {dp} × tensor_parallel {tp}"
+                          + (f" × context_parallel {cp}" if cp > 1 else "")
+                          + f" = {layout} devices keeps graph mode's data-parallel size (data_parallel_shard: "
+                          "-1 shards over all data-parallel ranks)")
+        if self.world_size is not None:
+            w = _positive_int(self.world_size, "--world-size")
+            if w % (tp * cp):
+                raise ConfigError(f"--world-size: {w} is not divisible by tensor_parallel × context_parallel "
+                                  f"= {tp * cp}")
+            if w % ep:
+                raise ConfigError(f"--world-size: {w} is not divisible by expert_parallel = {ep}")
+            if w != layout:
+                self.notes.append(f"--world-size {w}: data_parallel becomes {w // (tp * cp)} (graph: {dp}); the "
+                                  "global batch is kept, so the accumulation steps change")
+        return {"dp": dp, "tp": tp, "cp": cp, "pp": pp, "micro": micro}
+
+    def training(self, parallel: dict) -> dict:
+        rc = self.section("runner_config")
+        _leftovers("runner_config", rc, {"batch_size", "gradient_accumulation_steps", "epochs"}, self.dropped)
+        local = _int(rc.get("batch_size", 1), "runner_config.batch_size", 1)
+        accumulation = _int(rc.get("gradient_accumulation_steps", 1) or 1,
+                            "runner_config.gradient_accumulation_steps", 1)
+        if parallel["pp"] > 1:
+            if accumulation > 1:
+                self.notes.append("runner_config.gradient_accumulation_steps: ignored by graph mode under "
+                                  f"pipeline parallelism; parallel_config.micro_batch_num = {parallel['micro']} "
+                                  "micro-batches are accumulated instead")
+            accumulation = parallel["micro"]
+        global_batch = global_batch_from_accumulation(accumulation, parallel["dp"], local)
+        training: dict[str, Any] = {"steps": self._steps(global_batch, rc), "local_batch_size": local,
+                                    "global_batch_size": global_batch}
+
+        wrapper = self.section("runner_wrapper")
+        _leftovers("runner_wrapper", wrapper, {"use_clip_grad", "max_grad_norm"}, self.dropped)
+        if wrapper.get("use_clip_grad", False):
+            max_norm = wrapper.get("max_grad_norm", 1.0)
+            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+                raise ConfigError(f"runner_wrapper.max_grad_norm: expected a positive number, got {max_norm!r}")
+            training["max_norm"] = float(max_norm)
+        else:
+            training["max_norm"] = 0.0
+            self.notes.append("runner_wrapper.use_clip_grad is off (graph mode's default): training.max_norm 0 "
+                              "(no clipping)")
+        if "seed" in self.g:
+            self.used_top.add("seed")
+            training["seed"] = _int(self.g["seed"], "seed")
+        self.out["training"] = training
+        return training
+
+    def _steps(self, global_batch: int, rc: dict) -> int:
+        if self.steps_override is not None:
+            return _positive_int(self.steps_override, "--steps")
+        total = _section(self.g, "lr_schedule").get("total_steps")
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            return total
+        sizes = ((_section(self.g, "train_dataset").get("data_loader") or {}).get("sizes") or [None])
+        epochs = rc.get("epochs", 1)
+        if isinstance(sizes, (list, tuple)) and sizes and isinstance(sizes[0], int) and sizes[0] > 0:
+            steps = _int(epochs, "runner_config.epochs", 1) * (sizes[0] // global_batch)
+            if steps > 0:
+                self.notes.append(f"training.steps = runner_config.epochs {epochs} × (data_loader.sizes[0] "
+                                  f"{sizes[0]} // global batch {global_batch}) = {steps} (lr_schedule.total_steps "
+                                  f"is {total!r})")
+                return steps
+        raise ConfigError(f"lr_schedule.total_steps: {total!r} gives no step count and "
+                          "train_dataset.data_loader.sizes[0] cannot stand in; pass --steps N")
+
+    def optimizer(self) -> None:
+        opt = self.section("optimizer")
+        if not opt:
+            return
+        out: dict[str, Any] = {}
+        for key, value in opt.items():
+            if key in ("swap", "learning_rate"):
+                self.dropped.append(f"optimizer.{key}")  # swap: graph-only; the LR comes from lr_schedule
+            elif key == "type":
+                out[key] = self._optimizer_type(value)
+            else:
+                out[key] = value
+        self.out["optimizer"] = out
+
+    def _optimizer_type(self, kind: Any) -> str:
+        if kind in _ADAMW_FAMILY:
+            if kind != "AdamW":
+                self.notes.append(f"optimizer.type: {kind} → AdamW (torch AdamW with fp32 states)")
+            return "AdamW"
+        if kind == "Muon":
+            return kind
+        raise ConfigError(f"optimizer.type: {kind!r} has no PyNative counterpart; supported: AdamW "
+                          f"({', '.join(_ADAMW_FAMILY[1:])} map to it), Muon")
+
+    def lr_scheduler(self, steps: int) -> None:
+        from lit_moe.schedules import _COMMON_KEYS, _TYPE_KEYS, SUPPORTED_SCHEDULES
+
+        sched = self.section("lr_schedule")
+        if not sched:
+            return
+        kind = sched.get("type")
+        if kind not in SUPPORTED_SCHEDULES:
+            raise ConfigError(f"lr_schedule.type: {kind!r} has no PyNative counterpart; supported: "
+                              f"{', '.join(SUPPORTED_SCHEDULES)}")
+        reads = set(_COMMON_KEYS) | set(_TYPE_KEYS[kind])
+        out: dict[str, Any] = {}
+        for key, value in sched.items():
+            if key == "total_steps":
+                continue  # → training.steps
+            if key == "warmup_steps":
+                if sched.get("warmup_ratio") is not None:
+                    self.dropped.append("lr_schedule.warmup_steps")  # the ratio wins in MindFormers too
+                    continue
+                ratio = warmup_ratio_for(_int(value, "lr_schedule.warmup_steps"), steps)
+                if ratio is None:
+                    out["warmup_steps"] = value
+                    self.notes.append(f"lr_schedule.warmup_steps: {value} exceeds training.steps {steps}; kept "
+                                      "as warmup_steps (a ratio would be above 1)")
+                else:
+                    out["warmup_ratio"] = ratio
+                continue
+            if key not in reads:
+                self.dropped.append(f"lr_schedule.{key}")
+                continue
+            out[key] = value
+        self.out["lr_scheduler"] = out
+
+    def recompute(self, model: dict) -> None:
+        rc = self.section("recompute_config")
+        if not rc:
+            return
+        _leftovers("recompute_config", rc, {"recompute", "select_recompute", "mp_comm_recompute"}, self.dropped)
+        total = _total_layers(model)
+        everything = [f"0-{total - 1}"]
+        full = rc.get("recompute", False)
+        select = rc.get("select_recompute", False)
+        if select:
+            if not isinstance(select, bool):
+                self.notes.append(f"recompute_config.select_recompute: graph operator names {select!r} do not "
+                                  "exist in PyNative; the core attention of every layer is recomputed instead")
+            self.out["recompute"] = {"mode": "select", "select_module": {SELECT_PATTERN: everything}}
+        elif full:
+            self.out["recompute"] = {"mode": "full", "full_recompute_layer": self._full_layers(full, total)}
+        comm = rc.get("mp_comm_recompute")
+        if comm:
+            self.out["recompute_comm"] = {"enable": True, "select_module": {MP_COMM_PATTERN: everything}}
+        elif comm is not None:
+            self.out["recompute_comm"] = {"enable": False}
+
+    def _full_layers(self, spec: Any, total: int) -> list[str]:
+        """``True``: every layer; ``N``: the first N; ``[n_0, n_1, ...]``: the first n_s layers of each
+        pipeline stage (layers split evenly; graph mode's ``offset`` is not applied)."""
+        if spec is True:
+            return [f"0-{total - 1}"]
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            n = min(spec, total)
+            return [f"0-{n - 1}"] if n > 0 else []
+        if isinstance(spec, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in spec):
+            per_stage = math.ceil(total / len(spec))
+            out = []
+            for s, n in enumerate(spec):
+                lo = s * per_stage
+                hi = min(lo + min(n, per_stage), total) - 1
+                if hi >= lo:
+                    out.append(f"{lo}-{hi}")
+            self.notes.append(f"recompute_config.recompute: per-stage counts {list(spec)} → layers {out} "
+                              f"({per_stage} layers per stage)")
+            return out
+        raise ConfigError(f"recompute_config.recompute: expected true/false, a layer count or per-stage counts, "
+                          f"got {spec!r}")
+
+    def train_dataset(self) -> None:
+        ds = self.section("train_dataset")
+        if not ds:
+            return
+        out: dict[str, Any] = {}
+        loader = ds.get("data_loader") or {}
+        if not isinstance(loader, dict):
+            raise ConfigError(f"train_dataset.data_loader: expected a mapping, got {loader!r}")
+        dataloader: dict[str, Any] = {}
+        for key, value in loader.items():
+            if key == "config" and isinstance(value, dict):
+                cfg = {}
+                for ck, cv in value.items():
+                    if ck in ("seed", "num_dataset_builder_threads"):
+                        self.dropped.append(f"train_dataset.data_loader.config.{ck}")
+                    else:
+                        cfg[ck] = cv
+                dataloader["config"] = cfg
+            else:
+                dataloader[key] = value
+        used = {"data_loader"}
+        if "input_columns" in ds and "column_names" not in dataloader:
+            dataloader["column_names"] = ds["input_columns"]
+            used.add("input_columns")
+        if "python_multiprocessing" in ds and "python_multiprocessing" not in dataloader:
+            dataloader["python_multiprocessing"] = ds["python_multiprocessing"]
+            used.add("python_multiprocessing")
+        out["dataloader"] = dataloader
+        for key in ("drop_remainder", "num_parallel_workers", "prefetch_size", "numa_enable"):
+            if key in ds:
+                out[key] = ds[key]
+                used.add(key)
+        _leftovers("train_dataset", ds, used, self.dropped)
+        self.out["train_dataset"] = out
+
+    def context(self) -> None:
+        ctx = self.section("context")
+        if not ctx:
+            return
+        affinity = ctx.get("affinity_config")
+        used = set()
+        source = "context.affinity_config"
+        if affinity is None and ctx.get("affinity_cpu_list") is not None:
+            affinity, source = ctx["affinity_cpu_list"], "context.affinity_cpu_list"
+        if affinity:
+            if not isinstance(affinity, dict):
+                raise ConfigError(f"{source}: expected a mapping device_X -> CPU list, got {affinity!r}")
+            cpus: dict[str, list[str]] = {}
+            for device, entry in affinity.items():
+                if isinstance(entry, dict):
+                    for key in entry:
+                        if key != "affinity_cpu_list":
+                            self.dropped.append(f"{source}.{device}.{key}")
+                    entry = entry.get("affinity_cpu_list")
+                if entry is None:
+                    continue
+                if not isinstance(entry, (list, tuple)):
+                    entry = [entry]
+                cpus[str(device)] = [str(c) for c in entry]
+            if cpus:
+                self.out["context"] = {"affinity_config": {"enable": True, "affinity_cpu_list": cpus}}
+        used.update({"affinity_config", "affinity_cpu_list"} & set(ctx))
+        if "affinity_config" in ctx and "affinity_cpu_list" in ctx:
+            self.dropped.append("context.affinity_cpu_list")  # affinity_config wins (seed)
+        _leftovers("context", ctx, used, self.dropped)
+
+
+def warmup_ratio_for(warmup_steps: int, total_steps: int) -> Optional[float]:
+    """The ratio r with ``int(total_steps × r) == warmup_steps`` (how schedules turn it back into steps),
+    or None when ``warmup_steps > total_steps``. ``warmup_steps / total_steps`` alone can land just below
+    (29/100 × 100 = 28.999…), so it is nudged up to the next float until it round-trips."""
+    if warmup_steps > total_steps:
+        return None
+    ratio = warmup_steps / total_steps
+    while int(total_steps * ratio) < warmup_steps:
+        ratio = math.nextafter(ratio, math.inf)
+    return ratio
+
+
+def _model_aliases() -> dict[str, str]:
+    try:
+        from lit_moe.model.config import ALIASES
+    except ImportError:  # pragma: no cover - the model package is always present in a release
+        return {}
+    return dict(ALIASES)
+
+
+def _total_layers(model: dict) -> int:
+    """Decoder plus MTP layers of the converted ``model`` section (what recompute specs address)."""
+    from lit_moe.model import DeepseekV3Config
+
+    return DeepseekV3Config(**model).total_layers
+
+
+def _check_fixed_keys(name: str, value: Any, cls: type) -> None:
+    """The converted file may hold only keys the section dataclasses accept."""
+    if not isinstance(value, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, sub in value.items():
+        if key not in fields:
+            raise AssertionError(f"convert-config produced {name}.{key}, which {cls.__name__} does not accept")
+        ftype = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if ftype is not None and dataclasses.is_dataclass(ftype):
+            _check_fixed_keys(f"{name}.{key}", sub, ftype)
+
+
+def validate_conversion(pynative: dict) -> None:
+    """Check the converted sections the way ``lit_moe fit`` will (one-line :class:`ConfigError`)."""
+    from lit_moe.optim import validate_optimizer_section
+    from lit_moe.schedules import resolve_schedule
+
+    for name, cls in _FIXED_SECTIONS.items():
+        _check_fixed_keys(name, pynative.get(name), cls)
+    steps = pynative.get("training", {}).get("steps", TrainingConfig.steps)
+    if "lr_scheduler" in pynative:
+        resolve_schedule(pynative["lr_scheduler"], steps)
+    if "optimizer" in pynative:
+        validate_optimizer_section(pynative["optimizer"])
+    if "recompute" in pynative or "recompute_comm" in pynative:
+        from lit_moe.strategies.recompute import validate_recompute
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validate_recompute(pynative.get("recompute"), pynative.get("recompute_comm"),
+                               _total_layers(pynative.get("model", {})))
+
+
+def convert(graph: dict, world_size: Optional[int] = None, steps: Optional[int] = None) -> Conversion:
+    """The full conversion (sections, dropped keys, notes), validated; see :func:`convert_graph_config`."""
+    result = _Converter(graph, world_size, steps).run()
+    validate_conversion(result.pynative)
+    return result
+
+
+def convert_graph_config(graph: dict, world_size: Optional[int] = None) -> tuple[dict, list[str]]:
+    """``(pynative sections, dropped graph keys)``. The dropped keys (no PyNative meaning) are also
+    reported in one :class:`GraphOnlyKeysWarning`. ``world_size`` (optional) checks the layout and notes
+    how the accumulation steps change on that many devices."""
+    result = convert(graph, world_size)
+    if result.dropped:
+        warnings.warn(dropped_message(result.dropped), GraphOnlyKeysWarning, stacklevel=2)
+    return result.pynative, result.dropped
+
+
+def dropped_message(dropped: list[str]) -> str:
+    return (f"{len(dropped)} graph.yaml key(s) have no PyNative meaning and were dropped: "
+            + ", ".join(dropped))
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+def to_yaml(result: Conversion, source: str) -> str:
+    import yaml
+
+    lines = [f"# Converted from {source} by `lit_moe convert-config` (MindFormers graph mode -> PyNative).",
+             "# Notes:"] + [f"#   - {n}" for n in result.notes]
+    if result.dropped:
+        lines.append("# Dropped (no PyNative meaning): " + ", ".join(result.dropped))
+    body = yaml.safe_dump(result.pynative, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    return "\n".join(lines) + "\n\n" + body
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit_moe convert-config",
+        description="Convert a MindFormers graph-mode config (graph.yaml) into a pynative.yaml for lit_moe.")
+    parser.add_argument("graph", help="graph-mode YAML (graph.yaml)")
+    parser.add_argument("-o", "--output", help="pynative.yaml to write (default: standard output)")
+    parser.add_argument("--world-size", "-n", type=int, default=None,
+                        help="devices the PyNative run will use (checks the layout)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training.steps, when lr_schedule.total_steps is -1 and the dataset size is unknown")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    import yaml
+
+    args = build_parser().parse_args(argv)
+    try:
+        try:
+            with open(args.graph, encoding="utf-8") as f:
+                graph = yaml.safe_load(f)
+        except OSError as err:
+            raise ConfigError(f"{args.graph}: cannot read ({err.strerror})") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{args.graph}: not valid YAML ({' '.join(str(err).split())})") from None
+        result = convert(graph, args.world_size, args.steps)
+    except ConfigError as err:
+        print(f"lit_moe convert-config: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    text = to_yaml(result, args.graph)
+    if result.dropped:
+        print(f"lit_moe convert-config: warning: {dropped_message(result.dropped)}", file=sys.stderr)
+    for note in result.notes:
+        print(f"lit_moe convert-config: note: {note}", file=sys.stderr)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""Build-once caches shared by every rank: one process builds under a file lock, the others wait and
+then load what it wrote. Files are written under temporary names and renamed, so a reader never sees
+a half-written file, and a lock held by a process that died is released by the operating system."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+
+@contextlib.contextmanager
+def file_lock(path: str, timeout_s: float = 3600.0):
+    """Exclusive lock on ``path`` (created if missing) across processes on this machine (and on
+    shared file systems whose ``flock`` works across hosts)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if fcntl is not None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return
+    # Fallback without flock: an exclusive-create marker file, polled (stale after timeout_s).
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(path + ".excl", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            if time.monotonic() > deadline:
+                os.remove(path + ".excl")
+            time.sleep(0.1)
+    try:
+        yield
+    finally:
+        os.close(fd)
+        os.remove(path + ".excl")
+
+
+def atomic_save_npy(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def description_hash(description: dict) -> tuple[str, str]:
+    """(JSON text, md5 hex) of a cache description: any change of an input gives a new cache."""
+    text = json.dumps(description, indent=2, sort_keys=True, default=str)
+    return text, hashlib.md5(text.encode()).hexdigest()
+
+
+def file_fingerprint(path: str, full_hash_limit: int = 256 << 20) -> dict:
+    """Size plus an md5 of the content (of its first and last MiB for files above ``full_hash_limit``):
+    a regenerated dataset gets a new cache even when its name is unchanged."""
+    size = os.path.getsize(path)
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        if size <= full_hash_limit:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        else:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+            h.update(str(os.stat(path).st_mtime_ns).encode())
+    return {"size": size, "md5": h.hexdigest()}
+
+
+def cached_arrays(
+    cache_dir: Optional[str],
+    stem: str,
+    names: list[str],
+    description: str,
+    build: Callable[[], dict[str, np.ndarray]],
+    on_warning: Callable[[str], None] = lambda msg: None,
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Load ``{name: array}`` from ``cache_dir/stem-name.npy``, or build them (one process, under a
+    lock) and save them. The description file, written last, marks a complete cache.
+
+    Returns (arrays, built_here). Without a ``cache_dir``, or when it cannot be written, the arrays are
+    built in memory (the latter with a warning)."""
+    if not cache_dir:
+        return build(), True
+    paths = {n: os.path.join(cache_dir, f"{stem}-{n}.npy") for n in names}
+    desc_path = os.path.join(cache_dir, f"{stem}-description.txt")
+
+    def complete() -> bool:
+        if not (os.path.isfile(desc_path) and all(os.path.isfile(p) for p in paths.values())):
+            return False
+        with open(desc_path) as f:
+            return f.read() == description
+
+    def load() -> dict[str, np.ndarray]:
+        return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+
+    if complete():
+        return load(), False
+    lock = file_lock(os.path.join(cache_dir, f"{stem}.lock"))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        lock.__enter__()
+    except OSError as err:
+        on_warning(f"could not write the index cache in {cache_dir} ({err}); the indices are built in "
+                   f"memory on every run. Set train_dataset.dataloader.config.path_to_cache to a "
+                   f"writable directory to cache them.")
+        return build(), True
+    try:
+        if complete():  # another rank built it while we waited for the lock
+            return load(), False
+        arrays = build()
+        try:
+            for n, p in paths.items():
+                atomic_save_npy(p, arrays[n])
+            atomic_write_text(desc_path, description)
+        except OSError as err:
+            on_warning(f"could not write the index cache in {cache_dir} ({err}); the indices are kept "
+                       f"in memory only.")
+        return arrays, True
+    finally:
+        lock.__exit__(None, None, None)

@@ -1,0 +1,350 @@
+"""The LightningDataModule: micro-batches of ``local_batch_size`` samples, sharded by data-parallel rank.
+
+Order. The dataset's global sample order (GPTDataset's own shuffle; with ``shuffle: true`` also a
+per-epoch permutation seeded by ``training.seed``) is dealt out to data-parallel ranks as MindSpore's
+distributed sampler does it: rank ``d`` of ``D`` reads global samples ``d, d+D, d+2D, …`` and batches
+them ``local_batch_size`` at a time. So global micro-batch ``k`` (all ranks together) is global samples
+``[k·D·b, (k+1)·D·b)``. Ranks of one tensor/context/expert-parallel group have the same data-parallel
+rank and get identical batches. When the dataset is exhausted the next epoch starts again from the top.
+
+Resume. The DataModule counts the samples consumed by training itself: every training micro-batch that
+reaches the model (Lightning's ``on_after_batch_transfer``) adds ``len(batch) · D``. ``state_dict()``
+holds ``consumed_samples`` and Lightning saves it in checkpoints; after ``load_state_dict`` the next
+iterator starts at exactly the next global sample (position ``consumed_samples`` modulo the epoch
+length; the data-parallel size may even change between runs). Code that knows better (e.g. a
+checkpoint loader) may also set ``datamodule.consumed_samples`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lit_moe.config import ConfigError, TrainDatasetConfig
+from lit_moe.data.loader import DataloaderSpec, build_from_spec, parse_dataloader
+
+TENSOR_DTYPES = {
+    "input_ids": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+    "attention_mask": torch.bool,
+    "actual_seq_len": torch.int32,
+}
+
+
+def collate_samples(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack samples into ``[B, …]`` tensors with the dtypes of the model's keyword arguments."""
+    out = {}
+    for key in samples[0]:
+        stacked = torch.from_numpy(np.stack([s[key] for s in samples]))
+        out[key] = stacked.to(TENSOR_DTYPES.get(key, stacked.dtype))
+    return out
+
+
+class _Position:
+    """Shared, mutable count of consumed samples (read by the sampler when an epoch starts)."""
+
+    def __init__(self) -> None:
+        self.consumed_samples = 0
+
+
+class MegatronSampler(DistributedSampler):
+    """Indices of one data-parallel rank, starting at the consumed-samples position.
+
+    A ``DistributedSampler`` subclass only so that Lightning leaves it in place instead of injecting its
+    own; none of the parent's logic is used."""
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, micro_batch_size: int,
+                 drop_last: bool, shuffle: bool, seed: int, position: _Position) -> None:
+        # DistributedSampler.__init__ wants a process group; set the attributes Lightning may read instead.
+        self.dataset_size = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.micro_batch_size = micro_batch_size
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = position
+        D, b, N = num_replicas, micro_batch_size, num_samples
+        # Samples each rank reads per epoch: whole micro-batches only, or ceil(N/D) wrapping around
+        # to the first samples (MindSpore pads shards the same way).
+        self.per_rank = (N // (D * b)) * b if drop_last else -(-N // D)
+        if self.per_rank == 0:
+            raise ConfigError(f"train_dataset: {N} samples cannot fill one micro-batch of {b} on each of "
+                              f"{D} data-parallel ranks (drop_remainder: true); raise train_dataset.dataloader.sizes[0]")
+        self.epoch_length = self.per_rank * D
+        self.num_samples = self.per_rank
+        self.total_size = self.epoch_length
+
+    def _start(self) -> tuple[int, int]:
+        consumed = self.position.consumed_samples
+        epoch, within = divmod(consumed, self.epoch_length)
+        if within % self.num_replicas:
+            raise ValueError(f"consumed_samples {consumed} is not a multiple of the data-parallel size "
+                             f"{self.num_replicas}")
+        return epoch, within // self.num_replicas
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.dataset_size, dtype=np.int64)
+        return np.random.RandomState((self.seed + epoch) % (1 << 32)).permutation(self.dataset_size)
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, first = self._start()
+        order = self.order(epoch)
+        positions = np.arange(first, self.per_rank, dtype=np.int64) * self.num_replicas + self.rank
+        return iter(order[positions % self.dataset_size].tolist())
+
+    def __len__(self) -> int:
+        return self.per_rank - self._start()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        # The epoch follows from consumed_samples; Lightning's counter is ignored.
+        self.epoch = epoch
+
+
+class _Resumable:
+    """Lightning treats a loader with ``state_dict``/``load_state_dict`` as resumable (no mid-epoch
+    warning) and saves that state with its loops; it is the same consumed-samples count the DataModule
+    keeps."""
+
+    sampler: MegatronSampler
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.sampler.position.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.position.consumed_samples = int(state.get("consumed_samples", 0))
+
+
+class MegatronDataLoader(_Resumable, DataLoader):
+    """``python_multiprocessing: true``: a torch DataLoader with worker processes."""
+
+
+class ThreadedLoader(_Resumable):
+    """``python_multiprocessing: false``: batches are read by a pool of threads (MindSpore's
+    multithreaded GeneratorDataset), in order, with up to ``workers · prefetch`` batches in flight."""
+
+    def __init__(self, dataset, sampler: MegatronSampler, batch_size: int, drop_last: bool, workers: int,
+                 prefetch: int, thread_init=None) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.workers = max(1, workers)
+        self.prefetch = max(1, prefetch)
+        self.thread_init = thread_init
+
+    def _batches(self) -> list[list[int]]:
+        idx = list(iter(self.sampler))
+        batches = [idx[i:i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
+        if batches and self.drop_last and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _load(self, batch: list[int]) -> dict[str, torch.Tensor]:
+        return collate_samples([self.dataset[i] for i in batch])
+
+    def __iter__(self):
+        batches = self._batches()
+        if self.workers <= 1 and self.thread_init is None:
+            for b in batches:
+                yield self._load(b)
+            return
+        pending: deque = deque()
+        with ThreadPoolExecutor(self.workers, initializer=self.thread_init) as pool:
+            depth = self.workers * self.prefetch
+            it = iter(batches)
+            for b in it:
+                pending.append(pool.submit(self._load, b))
+                if len(pending) >= depth:
+                    break
+            while pending:
+                batch = pending.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(pool.submit(self._load, nxt))
+                yield batch
+
+
+# ----------------------------------------------------------------------------------------------
+# NUMA
+# ----------------------------------------------------------------------------------------------
+def _parse_cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_cpus(device: Optional[torch.device]) -> tuple[Optional[set[int]], str]:
+    """(CPUs of the NUMA node of ``device``, or None with the reason)."""
+    if not sys.platform.startswith("linux"):
+        return None, f"NUMA binding is only done on Linux (this is {sys.platform})"
+    if device is None or device.type != "cuda":
+        return None, f"cannot find the NUMA node of device {device} (only CUDA devices are looked up)"
+    try:
+        props = torch.cuda.get_device_properties(device.index or 0)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            node = int(f.read().strip())
+        if node < 0:
+            return None, f"the system reports no NUMA node for {device} ({bus})"
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            cpus = _parse_cpulist(f.read())
+    except (AttributeError, OSError, ValueError) as err:
+        return None, f"cannot find the NUMA node of {device} ({err})"
+    allowed = os.sched_getaffinity(0)
+    cpus &= allowed
+    if not cpus:
+        return None, f"none of the CPUs of the NUMA node of {device} are available to this process"
+    return cpus, ""
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the DataModule
+# ----------------------------------------------------------------------------------------------
+class MegatronDataModule(LightningDataModule):
+    """Megatron/MindFormers data for Lightning.
+
+    Args:
+        train_dataset: the ``train_dataset`` section.
+        local_batch_size: samples per micro-batch on each rank (``training.local_batch_size``).
+        seed: ``training.seed``: seeds the data workers and the per-epoch order of ``shuffle: true``
+            (the GPTDataset shuffle uses ``dataloader.config.seed``, default 1234, as in MindFormers).
+        seq_length: ``model.seq_length``; fills or must match ``dataloader.config.seq_length``.
+
+    The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs`` in
+    ``setup()`` (absent or None: one replica).
+    """
+
+    def __init__(self, train_dataset: TrainDatasetConfig, local_batch_size: int, seed: int,
+                 seq_length: Optional[int] = None) -> None:
+        super().__init__()
+        if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, int) or local_batch_size < 1:
+            raise ConfigError(f"training.local_batch_size: expected an int >= 1, got {local_batch_size!r}")
+        for name in ("num_parallel_workers", "prefetch_size"):
+            v = getattr(train_dataset, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"train_dataset.{name}: expected an int >= 0, got {v!r}")
+        self.train_config = train_dataset
+        self.local_batch_size = local_batch_size
+        self.seed = seed
+        self.seq_length = seq_length
+        # Validate the section now: configuration errors surface before any process starts.
+        self.spec: DataloaderSpec = parse_dataloader(train_dataset.dataloader, seq_length)
+        self._position = _Position()
+        self.dp_rank = 0
+        self.dp_size = 1
+        self.datasets: Optional[tuple] = None
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples consumed by training so far (over all data-parallel ranks and epochs)."""
+        return self._position.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self._position.consumed_samples = int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.training and isinstance(batch, dict) and batch:
+            first = next(iter(batch.values()))
+            self._position.consumed_samples += int(first.shape[0]) * self.dp_size
+        return batch
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _data_parallel(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) if trainer else None
+        if not kwargs:
+            return 0, 1
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        self.dp_rank, self.dp_size = self._data_parallel()
+        if self.datasets is None:
+            self.datasets = build_from_spec(self.spec)
+
+    def _device(self) -> Optional[torch.device]:
+        trainer = getattr(self, "trainer", None)
+        try:
+            return trainer.strategy.root_device if trainer is not None else None
+        except Exception:
+            return None
+
+    def _worker_setup(self):
+        """(number of workers, per-worker init function) honouring num_parallel_workers and numa_enable."""
+        cfg = self.train_config
+        workers = min(cfg.num_parallel_workers, available_cpus())
+        cpus = None
+        if cfg.numa_enable:
+            cpus, why = numa_cpus(self._device())
+            if cpus is None:
+                warnings.warn(f"train_dataset.numa_enable: {why}; data workers are not bound", stacklevel=2)
+        seed = self.seed
+        rank = self.dp_rank
+
+        def init(worker_id: int = 0) -> None:
+            s = (seed + 1000 * rank + worker_id) % (1 << 32)
+            random.seed(s)
+            np.random.seed(s)
+            torch.manual_seed(s)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        return workers, init, cpus
+
+    def train_dataloader(self):
+        if self.datasets is None:
+            self.setup("fit")
+        train = self.datasets[0]
+        if train is None:
+            raise ConfigError("train_dataset.dataloader.sizes[0]: the train split is empty (size 0 or no "
+                              "train documents in split); nothing to train on")
+        sampler = MegatronSampler(len(train), self.dp_size, self.dp_rank, self.local_batch_size,
+                                  self.train_config.drop_remainder, self.spec.shuffle, self.seed, self._position)
+        workers, init, cpus = self._worker_setup()
+        prefetch = max(1, self.train_config.prefetch_size)
+        if not self.spec.python_multiprocessing:
+            thread_init = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+            return ThreadedLoader(train, sampler, self.local_batch_size, self.train_config.drop_remainder,
+                                  workers, prefetch, thread_init)
+        return MegatronDataLoader(
+            train, batch_size=self.local_batch_size, sampler=sampler, drop_last=self.train_config.drop_remainder,
+            num_workers=workers, collate_fn=collate_samples, worker_init_fn=init if workers else None,
+            prefetch_factor=prefetch if workers else None, persistent_workers=False, pin_memory=False)

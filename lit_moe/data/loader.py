@@ -1,0 +1,116 @@
+"""``train_dataset.dataloader`` → (train, valid, test) datasets: MindFormers' BlendedMegatronDatasetDataLoader."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from lit_moe.config import ConfigError
+from lit_moe.data import builtin
+from lit_moe.data.blended import build_blended_splits
+from lit_moe.data.gpt import GPTDatasetConfig
+
+FIELD = "train_dataset.dataloader"
+KNOWN_KEYS = {"type", "datasets_type", "sizes", "config", "column_names", "shuffle", "python_multiprocessing"}
+# Keys MindFormers passes to the loader that have no meaning here (sharding comes from the strategy).
+IGNORED_KEYS = {"num_shards", "shard_id", "phase", "tokenizer"}
+
+
+@dataclass
+class DataloaderSpec:
+    """The validated ``train_dataset.dataloader`` mapping."""
+
+    sizes: list[Optional[int]]
+    """Samples of the train, valid and test splits (0: not built)."""
+    config: GPTDatasetConfig
+    """The GPTDataset options (``config:``)."""
+    column_names: list[str]
+    """Columns of every sample, in order."""
+    shuffle: bool = False
+    """Shuffle the sample order again each epoch (GPTDataset already shuffles once)."""
+    python_multiprocessing: bool = False
+    """Load with worker processes (True) or worker threads (False)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Unrecognised keys (kept, warned about)."""
+
+
+def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> DataloaderSpec:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{FIELD}: expected a mapping, got {section!r}")
+    kind = section.get("type")
+    if kind != "BlendedMegatronDatasetDataLoader":
+        raise ConfigError(f"{FIELD}.type: {kind!r} is not supported; use BlendedMegatronDatasetDataLoader")
+    dtype = section.get("datasets_type", "GPTDataset")
+    if dtype != "GPTDataset":
+        raise ConfigError(f"{FIELD}.datasets_type: {dtype!r} is not supported; use GPTDataset")
+    extra = {k: v for k, v in section.items() if k not in KNOWN_KEYS}
+    unknown = sorted(set(extra) - IGNORED_KEYS)
+    if unknown:
+        warnings.warn(f"{FIELD}: ignoring unknown key(s) {unknown}", stacklevel=3)
+
+    sizes = section.get("sizes")
+    if not isinstance(sizes, (list, tuple)) or not 1 <= len(sizes) <= 3:
+        raise ConfigError(f"{FIELD}.sizes: expected [train, valid, test] sample counts, got {sizes!r}")
+    sizes = list(sizes) + [0] * (3 - len(sizes))
+    for i, s in enumerate(sizes):
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            raise ConfigError(f"{FIELD}.sizes[{i}]: expected an int >= 0, got {s!r}")
+
+    config = GPTDatasetConfig.from_dict(section.get("config") or {}, seq_length=seq_length)
+    produced = config.columns()
+    columns = section.get("column_names")
+    if columns is None:
+        columns = produced
+    if isinstance(columns, str):
+        columns = [columns]
+    if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns):
+        raise ConfigError(f"{FIELD}.column_names: expected a list of column names, got {columns!r}")
+    if len(set(columns)) != len(columns):
+        raise ConfigError(f"{FIELD}.column_names: duplicate names in {list(columns)}")
+    for c in columns:
+        if c not in produced:
+            why = {"attention_mask": "create_attention_mask is false",
+                   "actual_seq_len": "create_compressed_eod_mask is false"}.get(c, "no such column")
+            raise ConfigError(f"{FIELD}.column_names: {c!r} is not produced ({why}); with this config a "
+                              f"sample has {produced}")
+    for key in ("shuffle", "python_multiprocessing"):
+        if not isinstance(section.get(key, False), bool):
+            raise ConfigError(f"{FIELD}.{key}: expected true or false, got {section[key]!r}")
+    return DataloaderSpec(sizes=sizes, config=config, column_names=list(columns),
+                          shuffle=section.get("shuffle", False),
+                          python_multiprocessing=section.get("python_multiprocessing", False), extra=extra)
+
+
+class ColumnDataset:
+    """A GPT or blended dataset whose items are dicts of the configured ``column_names`` only."""
+
+    def __init__(self, dataset, column_names: list[str]) -> None:
+        self.dataset = dataset
+        self.column_names = list(column_names)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        if not 0 <= idx < len(self.dataset):
+            raise IndexError(f"sample {idx} out of range ({len(self.dataset)} samples)")
+        sample = self.dataset[idx]
+        return {c: sample[c] for c in self.column_names}
+
+
+def build_from_spec(spec: DataloaderSpec) -> tuple:
+    cache_dir = builtin.default_cache_dir(spec.config.path_to_cache)
+    splits = build_blended_splits(spec.config, spec.sizes, resolve=lambda p: builtin.resolve(p, cache_dir))
+    return tuple(None if ds is None else ColumnDataset(ds, spec.column_names) for ds in splits)
+
+
+def build_datasets(dataloader_section: dict, seq_length: Optional[int] = None) -> tuple:
+    """(train, valid, test) from the ``train_dataset.dataloader`` mapping as written in YAML; None for
+    a split of size 0 or without documents. Items are dicts of numpy arrays keyed by ``column_names``.
+
+    ``seq_length`` (e.g. ``model.seq_length``) fills a missing ``config.seq_length`` and must equal a
+    given one."""
+    return build_from_spec(parse_dataloader(dataloader_section, seq_length))

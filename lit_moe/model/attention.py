@@ -1,0 +1,217 @@
+"""Multi-head latent attention (MLA), the core attention and its masks.
+
+Mask conventions. The model's ``attention_mask`` input follows Megatron: True/1 = *blocked*
+(``[B, 1, S, S]``, ``[B, S, S]`` or ``[S, S]``). Internally masks are SDPA-style *allowed* masks
+(True = may attend), ``[B or 1, 1, S, S]``; ``None`` means plain causal. Whatever is given, the
+causal constraint always applies. ``actual_seq_len`` (MindFormers' compressed EOD mask) holds the
+cumulative end offset of each document, per sample ``[B, L]`` (values in [0, S], padded with S or the
+last value) or flattened over the micro-batch ``[B*L]`` (offsets over B*S tokens); a query then only
+sees earlier tokens of its own document.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.rope import rotary_cos_sin, softmax_scale
+from lit_moe.ops import Linear, apply_rotary, build_norm
+
+
+# ----------------------------------------------------------------------------------------------
+# per-forward context
+# ----------------------------------------------------------------------------------------------
+class AttentionContext:
+    """What every layer of one forward shares: rotary cos/sin and the allowed masks.
+
+    A plain class on purpose: FSDP2's forward-input casting and pytree utilities do not descend into
+    it, so cos/sin stay in ``rotary_dtype`` when parameters are cast to bf16.
+    """
+
+    def __init__(self, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                 full_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor]):
+        self.cos, self.sin = cos, sin
+        self.full_mask = full_mask        # None: plain causal
+        self.window_mask = window_mask    # used by sliding-window layers
+
+    @classmethod
+    def build(cls, config: DeepseekV3Config, position_ids: torch.Tensor,
+              attention_mask: Optional[torch.Tensor] = None,
+              actual_seq_len: Optional[torch.Tensor] = None) -> "AttentionContext":
+        B, S = position_ids.shape
+        device = position_ids.device
+        cos = sin = None
+        if config.position_embedding_type in ("rope", "yarn"):
+            cos, sin = rotary_cos_sin(config, position_ids)
+        full = allowed_mask(B, S, device, attention_mask=attention_mask, actual_seq_len=actual_seq_len)
+        window = None
+        if any(config.uses_window(i) for i in range(config.total_layers)):
+            window = allowed_mask(B, S, device, attention_mask=attention_mask,
+                                  actual_seq_len=actual_seq_len, window_left=config.window_size[0],
+                                  force=True)
+        return cls(cos, sin, full, window)
+
+    def with_positions(self, config: DeepseekV3Config, position_ids: torch.Tensor) -> "AttentionContext":
+        """The same masks with rotary angles of other positions (MTP depths)."""
+        cos = sin = None
+        if self.cos is not None:
+            cos, sin = rotary_cos_sin(config, position_ids)
+        return AttentionContext(cos, sin, self.full_mask, self.window_mask)
+
+
+def document_ids(actual_seq_len: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Document index ``[B, S]`` of every token from cumulative document end offsets."""
+    ends = actual_seq_len.to(torch.int64)
+    if ends.dim() == 1:   # flattened over the micro-batch: offsets over B*S positions
+        pos = torch.arange(batch * seq, device=ends.device)
+        return torch.searchsorted(ends.contiguous(), pos, right=True).view(batch, seq)
+    if ends.dim() != 2 or ends.shape[0] != batch:
+        raise ValueError(f"actual_seq_len: expected shape [B, L] or [B*L] with B={batch}, "
+                         f"got {tuple(actual_seq_len.shape)}")
+    pos = torch.arange(seq, device=ends.device).expand(batch, seq).contiguous()
+    return torch.searchsorted(ends.contiguous(), pos, right=True)
+
+
+def allowed_mask(batch: int, seq: int, device: torch.device, attention_mask: Optional[torch.Tensor] = None,
+                 actual_seq_len: Optional[torch.Tensor] = None, window_left: int = -1,
+                 force: bool = False) -> Optional[torch.Tensor]:
+    """SDPA-style allowed mask ``[B or 1, 1, S, S]`` = causal ∧ ¬blocked ∧ same-document ∧ window;
+    None when that is plain causal (and ``force`` is False)."""
+    if attention_mask is None and actual_seq_len is None and window_left < 0 and not force:
+        return None
+    q = torch.arange(seq, device=device)
+    allowed = (q[:, None] >= q[None, :])[None, None]               # [1, 1, S, S]
+    if window_left >= 0:
+        allowed = allowed & (q[:, None] - q[None, :] <= window_left)[None, None]
+    if attention_mask is not None:
+        blocked = attention_mask.to(device)
+        if blocked.dtype != torch.bool:
+            blocked = blocked > 0.5
+        if blocked.dim() == 2:
+            blocked = blocked[None, None]
+        elif blocked.dim() == 3:
+            blocked = blocked[:, None]
+        if blocked.dim() != 4 or blocked.shape[-2:] != (seq, seq) or blocked.shape[1] != 1:
+            raise ValueError(f"attention_mask: expected [B, 1, S, S], [B, S, S] or [S, S] with S={seq}, "
+                             f"got {tuple(attention_mask.shape)}")
+        allowed = allowed & ~blocked
+    if actual_seq_len is not None:
+        doc = document_ids(actual_seq_len.to(device), batch, seq)
+        allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
+    return allowed
+
+
+# ----------------------------------------------------------------------------------------------
+# core attention
+# ----------------------------------------------------------------------------------------------
+class CoreAttention(nn.Module):
+    """softmax(scale * q k^T + mask) v on ``[B, heads, S, d]`` tensors (d_v may differ from d_qk).
+
+    A module so that context parallelism can wrap or replace it.
+    """
+
+    def __init__(self, scale: float, attention_dropout: float = 0.0, use_flash_attention: bool = True,
+                 softmax_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.scale = scale
+        self.attention_dropout = attention_dropout
+        self.use_flash_attention = use_flash_attention
+        self.softmax_dtype = softmax_dtype
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.use_flash_attention:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
+                                                  is_causal=allowed is None, scale=self.scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)).to(self.softmax_dtype) * self.scale
+        if allowed is None:
+            S = q.shape[-2]
+            allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # a row with nothing allowed gives NaN; it attends to nothing (as the fused kernels do)
+        probs = torch.where(allowed.any(-1, keepdim=True), probs, 0.0)
+        probs = F.dropout(probs, p=dropout)
+        return torch.matmul(probs.to(v.dtype), v)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.6g}, flash={self.use_flash_attention}, softmax_dtype={self.softmax_dtype}"
+
+
+# ----------------------------------------------------------------------------------------------
+# MLA
+# ----------------------------------------------------------------------------------------------
+class MLAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention.
+
+    q = W_qb RMSNorm(W_qa x) (or q_proj x), kv latent c = RMSNorm(W_kva x)[:r_kv], shared rope key
+    k_pe = W_kva x [r_kv:]; [k_nope | v] per head = W_kvb c; q_pe and k_pe rotated; scores over
+    [q_nope | q_pe] . [k_nope | k_pe]. Head counts come from tensor shapes, so tensor parallelism can
+    shard the head dimension of q_b_proj / kv_b_proj / o_proj.
+    """
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.q_lora_rank = c.q_lora_rank
+        self.kv_lora_rank = c.kv_lora_rank
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.qk_head_dim = c.qk_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.use_rope = c.uses_rope(layer_idx)
+        self.use_window = c.uses_window(layer_idx)
+        self.use_fused_rope = c.use_fused_rope
+        H, n = c.hidden_size, c.num_attention_heads
+        ln_dtype = c.torch_dtype("layernorm_compute_dtype")
+
+        def latent_norm(dim: int) -> nn.Module:
+            if not c.qk_layernorm:
+                return nn.Identity()
+            return build_norm(c.normalization, dim, c.rms_norm_eps, ln_dtype, c.fused_norm, dtype=dtype)
+
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(H, n * self.qk_head_dim, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(H, self.q_lora_rank, dtype=dtype)
+            self.q_a_layernorm = latent_norm(self.q_lora_rank)
+            self.q_b_proj = Linear(self.q_lora_rank, n * self.qk_head_dim, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, dtype=dtype)
+        self.kv_a_layernorm = latent_norm(self.kv_lora_rank)
+        self.kv_b_proj = Linear(self.kv_lora_rank, n * (self.qk_nope_head_dim + self.v_head_dim), dtype=dtype)
+        self.o_proj = Linear(n * self.v_head_dim, H, dtype=dtype)
+        self.core_attention = CoreAttention(softmax_scale(c), c.attention_dropout, c.use_flash_attention,
+                                            c.torch_dtype("softmax_compute_dtype"))
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        B, S, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, S, -1, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe.view(B, S, 1, self.qk_rope_head_dim)   # one rope key shared by all heads
+
+        if self.use_rope:
+            cos, sin = ctx.cos[:, :, None], ctx.sin[:, :, None]
+            q_pe = apply_rotary(q_pe, cos, sin, self.use_fused_rope)
+            k_pe = apply_rotary(k_pe, cos, sin, self.use_fused_rope)
+
+        heads = q.shape[2]
+        query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+        key = torch.cat([k_nope, k_pe.expand(B, S, heads, self.qk_rope_head_dim)], dim=-1).transpose(1, 2)
+        value = v.transpose(1, 2)
+        mask = ctx.window_mask if self.use_window else ctx.full_mask
+        out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))

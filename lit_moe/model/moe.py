@@ -1,0 +1,353 @@
+"""Dense MLP, router, grouped experts and the MoE layer of DeepSeek-V3.
+
+Routing ("noaux_tc"): scores s = sigmoid(W_g u) (or softmax), computed in ``router_dense_type``;
+experts are *chosen* on s + b (b = expert bias, aux-loss-free balancing), optionally limited to the
+``topk_group`` groups whose two best biased scores sum highest; the combine weights are the
+*unbiased* scores of the chosen experts, renormalised (``norm_topk_prob``) and multiplied by
+``routed_scaling_factor``. Tokens are permuted to expert order with one stable argsort, run through
+the experts as grouped GEMMs, and un-permuted with index_copy (no atomics, deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_moe.model.config import DeepseekV3Config
+from lit_moe.ops import GatedActivation, Linear
+
+
+def _activation(config: DeepseekV3Config) -> GatedActivation:
+    return GatedActivation(config.hidden_act, config.gelu_approximate, config.silu_inplace,
+                           config.use_fused_swiglu)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (activation recompute re-runs forward inside backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ----------------------------------------------------------------------------------------------
+# dense MLP (also the shared experts)
+# ----------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """down_proj(act(gate_proj x) * up_proj x)."""
+
+    def __init__(self, config: DeepseekV3Config, intermediate_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        H = config.hidden_size
+        self.gate_proj = Linear(H, intermediate_size, dtype=dtype)
+        self.up_proj = Linear(H, intermediate_size, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, H, dtype=dtype)
+        self.act = _activation(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------------------------
+# router
+# ----------------------------------------------------------------------------------------------
+class Router(nn.Module):
+    """Top-K router with expert bias and group-limited selection.
+
+    ``forward(x [T, H]) -> (weights [T, K], indices [T, K], scores [T, E])``, all in
+    ``router_dense_type``; ``scores`` are the full (unbiased) score table the aux losses use.
+    """
+
+    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
+        super().__init__()
+        E = config.n_routed_experts
+        self.num_experts = E
+        self.top_k = config.num_experts_per_tok
+        self.scoring_func = config.scoring_func
+        self.n_group = config.n_group if config.group_limited else 1
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.router_dtype = config.torch_dtype("router_dense_type")
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size, dtype=dtype))
+        # fp32 whatever the parameter dtype: tiny sign updates of 1e-3 must not round away.
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        if self.scoring_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        indices = self.select(scores.detach())
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices, scores
+
+    @torch.no_grad()
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Indices ``[T, K]`` of the chosen experts: top-K of s + b within the best groups."""
+        choice = scores + self.expert_bias.to(scores.dtype)
+        if self.n_group > 1:
+            T, E = choice.shape
+            per_group = E // self.n_group
+            grouped = choice.view(T, self.n_group, per_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)            # [T, G]
+            best = group_scores.topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, score={self.scoring_func}, "
+                f"groups={self.n_group}/{self.topk_group}, dtype={self.router_dtype}")
+
+
+def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_func: str,
+                        kind: str, coeff: float) -> torch.Tensor:
+    """Switch-style balancing loss alpha * sum_e f_e P_e (Megatron's definition).
+
+    p = scores normalised over all experts (sigmoid) or the softmax itself; the indicator is a plain
+    top-K of p (no bias, no group limit). ``aux_loss``: one reduction over the micro-batch's T tokens;
+    ``seq_aux_loss``: per sequence (T = S), averaged over the B sequences. f_e = E/(K T) * count_e,
+    P_e = mean_t p_te, so a perfectly uniform router gives alpha.
+    """
+    T, E = scores.shape
+    p = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if scoring_func == "sigmoid" else scores
+    with torch.no_grad():
+        chosen = torch.zeros_like(p).scatter_(1, p.topk(top_k, dim=-1).indices, 1.0)
+    groups = batch if kind == "seq_aux_loss" else 1
+    p = p.view(groups, T // groups, E)
+    chosen = chosen.view(groups, T // groups, E)
+    n = T // groups
+    f = chosen.sum(dim=1) * (E / (top_k * n))
+    P = p.sum(dim=1) / n
+    return coeff * (f * P).sum(dim=-1).mean()
+
+
+def capacity_ranks(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, policy: str
+                   ) -> torch.Tensor:
+    """Rank ``[T, K]`` of every assignment among those of its expert: by descending combine weight
+    (``probs``) or by token order (``position``). An assignment is kept when its rank < capacity."""
+    flat_e = indices.reshape(-1)
+    n = flat_e.numel()
+    if policy == "probs":
+        pre = torch.argsort(weights.reshape(-1), descending=True, stable=True)
+    else:
+        pre = torch.arange(n, device=flat_e.device)
+    order = pre[torch.argsort(flat_e[pre], stable=True)]           # grouped by expert, policy order within
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat_e)
+    rank[order] = torch.arange(n, device=flat_e.device) - starts[flat_e[order]]
+    return rank.view_as(indices)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped experts
+# ----------------------------------------------------------------------------------------------
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` (forward and backward) works for this device type and dtype; probed once."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        ok = hasattr(F, "grouped_mm") and device.type != "meta"
+        if ok:
+            try:
+                with torch.inference_mode(False), torch.enable_grad():
+                    a = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
+                    b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                    out = F.grouped_mm(a, b, offs=offs)
+                    out.backward(torch.ones_like(out))
+                    ok = bool(torch.allclose(out.float(), torch.full_like(out.float(), 16.0)))
+            except Exception:  # not implemented for this device/dtype: use the exact fallback
+                ok = False
+        _GROUPED_MM_RUNS[key] = ok
+    return _GROUPED_MM_RUNS[key]
+
+
+def grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """grouped_mm needs 16-byte-aligned strides (on CPU) and a device/dtype it is implemented for."""
+    size = x.element_size()
+    for dim in (x.shape[-1], w1.shape[-1], w1.shape[-1] // 2, w2.shape[-1]):
+        if (dim * size) % 16:
+            return False
+    return x.is_contiguous() and _grouped_mm_runs(x.device, x.dtype)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Expert-parallel shards are DTensors; the token counts are local, so compute on the local shard.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts, stored stacked: ``gate_up_proj [E, H, 2I]`` (first half gate, second half
+    up) and ``down_proj [E, I, H]``. ``forward(x_sorted [N, H], num_tokens_per_expert [E])`` takes
+    tokens already sorted by expert (``sum(num_tokens_per_expert) == N``) and returns ``[N, H]``."""
+
+    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
+        super().__init__()
+        E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H, dtype=dtype))
+        self.act = _activation(config)
+        self.use_grouped_mm = config.moe_grouped_gemm
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1 = _local(self.gate_up_proj).to(x.dtype)
+        w2 = _local(self.down_proj).to(x.dtype)
+        if self.use_grouped_mm and grouped_mm_usable(x, w1, w2):
+            offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+            h = F.grouped_mm(x, w1, offs=offs)
+            y = F.grouped_mm(self.act.forward_packed(h), w2, offs=offs)
+            return _ContiguousGrad.apply(y)
+        # Exact fallback: one GEMM per expert over its contiguous slice (a loop over experts, not tokens).
+        sizes = num_tokens_per_expert.tolist()
+        outs = [self.act.forward_packed(xe @ w1[e]) @ w2[e] for e, xe in enumerate(torch.split(x, sizes))]
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+    def extra_repr(self) -> str:
+        E, H, I2 = self.gate_up_proj.shape
+        return f"experts={E}, hidden={H}, intermediate={I2 // 2}, grouped_mm={self.use_grouped_mm}"
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE layer
+# ----------------------------------------------------------------------------------------------
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) for ``x [B, S, H]``.
+
+    Side outputs of a training forward: ``aux_loss`` (differentiable, already times
+    ``moe_aux_loss_coeff``; read and cleared by the model), ``tokens_per_expert`` (kept assignments
+    per expert, accumulated until ``DeepseekV3ForCausalLM.update_expert_bias``) and ``last_stats``.
+    Counters are not touched during activation recompute or without grad.
+    """
+
+    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = config
+        self.num_experts = c.n_routed_experts
+        self.top_k = c.num_experts_per_tok
+        self.scoring_func = c.scoring_func
+        self.aux_type = c.moe_router_load_balancing_type
+        self.aux_coeff = c.moe_aux_loss_coeff
+        self.capacity_factor = c.moe_expert_capacity_factor
+        self.drop_policy = c.moe_token_drop_policy
+        self.pad_to_capacity = c.use_pad_tokens
+        self.router = Router(c, dtype=dtype)
+        self.experts = GroupedExperts(c, dtype=dtype)
+        if c.n_shared_experts > 0:
+            self.shared_experts = MLP(c, c.shared_expert_intermediate_size, dtype=dtype)
+        else:
+            self.shared_experts = None
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=False)
+        # cumulative dropped / routed assignments (capacity); the metrics callback may reset them
+        self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("total_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert capacity C = ceil(T*K/E * capacity_factor), or None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        T, K, E = B * S, self.top_k, self.num_experts
+        flat_x = x.reshape(T, H)
+        weights, indices, scores = self.router(flat_x)
+        routed = self._dispatch_combine(flat_x, weights, indices)
+        out = routed.view(B, S, H)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+
+        self.aux_loss = None
+        if self.training and self.aux_coeff > 0 and self.aux_type != "none":
+            self.aux_loss = load_balancing_loss(scores, K, B, self.scoring_func, self.aux_type, self.aux_coeff)
+            if self._recording():
+                self.last_stats["aux_loss"] = self.aux_loss.detach()
+        return out
+
+    def _dispatch_combine(self, flat_x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+                          ) -> torch.Tensor:
+        T, H = flat_x.shape
+        K, E = self.top_k, self.num_experts
+        flat_e = indices.reshape(-1)                                   # assignment a = t*K + k
+        capacity = self.capacity(T)
+        keep = rank = None
+        if capacity is not None:
+            rank = capacity_ranks(indices, weights, E, self.drop_policy).reshape(-1)
+            keep = rank < capacity
+
+        if keep is None:                                               # dropless
+            order = torch.argsort(flat_e, stable=True)
+            counts = torch.bincount(flat_e, minlength=E)
+            y_sorted = self.experts(flat_x.index_select(0, order // K), counts)
+            y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
+            kept_counts = counts
+        elif self.pad_to_capacity:                                     # exactly C rows per expert
+            slot = flat_e * capacity + rank.clamp(max=capacity - 1)
+            slot_token = torch.zeros(E * capacity, dtype=torch.long, device=flat_x.device)  # filler: token 0
+            slot_token[slot[keep]] = torch.div(torch.arange(T * K, device=flat_x.device), K,
+                                               rounding_mode="floor")[keep]
+            counts = torch.full((E,), capacity, dtype=torch.long, device=flat_x.device)
+            y_slots = self.experts(flat_x.index_select(0, slot_token), counts)
+            y = torch.where(keep[:, None], y_slots.index_select(0, slot), 0.0)
+            kept_counts = torch.bincount(flat_e[keep], minlength=E)
+        else:                                                          # dropped assignments skip the experts
+            masked_e = torch.where(keep, flat_e, E)
+            order = torch.argsort(masked_e, stable=True)
+            kept_counts = torch.bincount(masked_e, minlength=E + 1)[:E]
+            order = order[: int(kept_counts.sum())]                    # host sync: the kept count is dynamic
+            y_sorted = self.experts(flat_x.index_select(0, order // K), kept_counts)
+            y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
+
+        combine = weights if keep is None else weights * keep.view(T, K)
+        routed = (y.view(T, K, H).float() * combine.float().unsqueeze(-1)).sum(dim=1)
+        self._record(kept_counts, T * K)
+        return routed.to(flat_x.dtype)
+
+    def _recording(self) -> bool:
+        # counters move only in a real training forward: not in eval, not without grad, not in recompute
+        return self.training and torch.is_grad_enabled() and not in_backward()
+
+    def _record(self, kept_counts: torch.Tensor, assignments: int) -> None:
+        if not self._recording():
+            return
+        with torch.no_grad():
+            kept_counts = kept_counts.to(torch.float32)
+            kept = kept_counts.sum()
+            self.tokens_per_expert += kept_counts
+            self.dropped_assignments += assignments - kept
+            self.total_assignments += assignments
+            self.last_stats = {"tokens_per_expert": kept_counts, "dropped": assignments - kept,
+                               "assignments": torch.tensor(float(assignments))}
+
+    def reset_drop_counters(self) -> None:
+        self.dropped_assignments.zero_()
+        self.total_assignments.zero_()
+
+    def drop_rate(self) -> float:
+        """Dropped / routed token-expert assignments since the last reset (0 when dropless)."""
+        total = float(self.total_assignments)
+        return float(self.dropped_assignments) / total if total else 0.0

@@ -1,0 +1,39 @@
+"""Multi-token prediction (DeepSeek-V3 MTP), depth k = 1..D.
+
+Depth k sees the previous depth's (normalised) hidden state h^{k-1}_i and the embedding of token
+t_{i+k}: h' = eh_proj([enorm(emb) | hnorm(h^{k-1})]) → one decoder layer → final_layernorm, and
+the shared head predicts t_{i+1+k}. h^0 is the main model's output after its final norm (as
+MindFormers/Megatron). The embedding and the head are the main model's (shared).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lit_moe.model.attention import AttentionContext
+from lit_moe.model.config import DeepseekV3Config
+from lit_moe.ops import Linear, build_norm
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        from lit_moe.model.transformer import DecoderLayer  # (transformer imports this module)
+
+        H = config.hidden_size
+        ln = config.torch_dtype("layernorm_compute_dtype")
+
+        def norm() -> nn.Module:
+            return build_norm(config.normalization, H, config.rms_norm_eps, ln, config.fused_norm, dtype=dtype)
+
+        self.enorm = norm()
+        self.hnorm = norm()
+        self.eh_proj = Linear(2 * H, H, dtype=dtype)
+        self.layer = DecoderLayer(config, layer_idx, dtype=dtype)
+        self.final_layernorm = norm()
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``hidden``: h^{k-1} ``[B, S, H]``; ``embedded``: embeddings of the inputs shifted left by k."""
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return self.final_layernorm(self.layer(h, ctx))

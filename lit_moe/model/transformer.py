@@ -1,0 +1,264 @@
+"""The DeepSeek-V3 causal LM: embedding → decoder layers (dense, then MoE) → final norm → untied head,
+plus optional MTP depths.
+
+Training objective = ``loss + aux_loss + mtp_loss`` where
+- ``loss``: masked mean cross-entropy (fp32) of the main head,
+- ``aux_loss``: sum over MoE layers of their balancing losses (coefficient included; an MTP layer's
+  counts 1/D),
+- ``mtp_loss``: ``mtp_loss_scaling_factor / D`` times the sum of the per-depth masked mean CEs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_moe.model.attention import AttentionContext, MLAttention
+from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.moe import MLP, MoE, GroupedExperts, Router
+from lit_moe.model.mtp import MTPLayer
+from lit_moe.ops import LayerNorm, Linear, RMSNorm, build_norm
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    """``[B, S, V]`` fp32 logits of the main head."""
+    loss: Optional[torch.Tensor] = None
+    """Masked mean cross-entropy (with labels)."""
+    aux_loss: Optional[torch.Tensor] = None
+    """Sum of the MoE balancing losses, coefficient included (0 when none apply)."""
+    mtp_loss: Optional[torch.Tensor] = None
+    """lambda / D * sum_k CE_k (with labels; 0 without MTP)."""
+
+
+def _norm(config: DeepseekV3Config, dim: int, dtype: torch.dtype | None) -> nn.Module:
+    return build_norm(config.normalization, dim, config.rms_norm_eps,
+                      config.torch_dtype("layernorm_compute_dtype"), config.fused_norm, dtype=dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + Attn(norm(x)), then + MLP-or-MoE(norm(x))."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = _norm(config, config.hidden_size, dtype)
+        self.self_attention = MLAttention(config, layer_idx, dtype=dtype)
+        self.pre_mlp_layernorm = _norm(config, config.hidden_size, dtype)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = MoE(config, dtype=dtype)
+        else:
+            self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(CE * mask) / sum(mask) in fp32 (0 when the mask is empty)."""
+    mask = mask.to(torch.float32)
+    labels = torch.where(mask > 0, labels, 0)   # masked labels may be pads (-1, -100): never indexed
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
+
+
+def _shift_left(x: torch.Tensor) -> torch.Tensor:
+    """x[:, i] ← x[:, i+1], the last column filled with 0 (no wrap-around)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name without activation-checkpoint / FSDP1 / compile wrapper parts."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 with MLA, MoE (shared + routed experts) and MTP.
+
+    Built eagerly it is initialised with ``init_weights(torch.initial_seed())``; built under
+    ``torch.device("meta")`` it stays uninitialised until the caller materialises it
+    (``to_empty``) and calls ``init_weights(seed)``, which gives the same values.
+    """
+
+    def __init__(self, config: Union[DeepseekV3Config, dict]):
+        super().__init__()
+        if isinstance(config, dict):
+            config = DeepseekV3Config(**config)
+        self.config = config
+        c = config
+        dtype = c.torch_dtype("params_dtype")
+        self.compute_dtype = c.torch_dtype("compute_dtype")
+        device = torch.get_default_device()
+        with torch.device("meta"):   # allocate once, after construction (no double init)
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+            self.position_embeddings = (nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=dtype)
+                                        if c.position_embedding_type == "learned_absolute" else None)
+            self.layers = nn.ModuleList(DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers))
+            self.norm = _norm(c, c.hidden_size, dtype)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype)
+            self.mtp = nn.ModuleList(MTPLayer(c, c.num_hidden_layers + k, dtype=dtype)
+                                     for k in range(c.num_nextn_predict_layers))
+        # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
+        self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
+        self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights(torch.initial_seed())
+
+    # ------------------------------------------------------------------ structure
+    def blocks(self) -> list[nn.Module]:
+        """Decoder layers, then the MTP layers' decoder layers (ids 0..total_layers-1)."""
+        return [*self.layers, *(m.layer for m in self.mtp)]
+
+    def moe_layers(self) -> list[MoE]:
+        """Every MoE module, in block order."""
+        return [*self._main_moe, *self._mtp_moe]
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """N(0, initializer_range) for linear, embedding, router and expert weights; norms 1/0;
+        buffers (expert bias, counters) 0. Each parameter draws from its own generator seeded by
+        ``(seed, name)``, so values do not depend on sharding, device or construction order. For a
+        DTensor the full tensor is generated and the local shard kept."""
+        seed = torch.initial_seed() if seed is None else int(seed)
+        std = self.config.initializer_range
+        for mod_name, mod in self.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if isinstance(mod, (RMSNorm, LayerNorm)):
+                    p.fill_(1.0 if pname == "weight" else 0.0)
+                    continue
+                name = canonical_name(f"{mod_name}.{pname}" if mod_name else pname)
+                _normal_by_name(p, std, _param_seed(seed, name))
+            for _, b in mod.named_buffers(recurse=False):
+                b.zero_()
+
+    # ------------------------------------------------------------------ expert bias
+    @torch.no_grad()
+    def update_expert_bias(self, counts: Optional[torch.Tensor] = None) -> None:
+        """``b += moe_router_bias_update_rate * sign(mean(c) - c)`` per MoE layer, then zero the counters.
+
+        ``counts [n_moe_layers, E]``: tokens per expert summed over the step's micro-batches and the
+        data/context-parallel ranks (the caller all-reduces); None: this process's counters."""
+        layers = self.moe_layers()
+        if not layers:
+            return
+        if counts is None:
+            counts = torch.stack([m.tokens_per_expert for m in layers])
+        if counts.shape[0] != len(layers):
+            raise ValueError(f"update_expert_bias: counts has {counts.shape[0]} rows, the model has "
+                             f"{len(layers)} MoE layers")
+        rate = self.config.moe_router_bias_update_rate
+        for moe, c in zip(layers, counts):
+            if self.config.moe_router_enable_expert_bias and rate > 0:
+                bias = moe.router.expert_bias
+                c = c.to(device=bias.device, dtype=torch.float32)
+                bias += rate * torch.sign(c.mean() - c)
+            moe.tokens_per_expert.zero_()
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.position_embeddings is not None:
+            h = h + self.position_embeddings(position_ids)
+        return F.dropout(h.to(self.compute_dtype), self.config.hidden_dropout, self.training)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                actual_seq_len: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)
+        position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
+        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
+
+        h = self.embed(input_ids, position_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        h = self.norm(h)
+        out = CausalLMOutput(logits=self.lm_head(h).float())
+        aux = self._take_aux(self._main_moe)
+
+        if labels is not None:
+            mask = labels != -100
+            if loss_mask is not None:
+                mask = mask & (loss_mask != 0)
+            out.loss = masked_cross_entropy(out.logits, labels, mask)
+            out.mtp_loss = out.loss.new_zeros(())
+            if len(self.mtp):
+                out.mtp_loss = self._mtp_forward(h, input_ids, labels, mask, position_ids, ctx)
+                mtp_aux = self._take_aux(self._mtp_moe)
+                if mtp_aux is not None:
+                    mtp_aux = mtp_aux / len(self.mtp)
+                    aux = mtp_aux if aux is None else aux + mtp_aux
+        out.aux_loss = aux if aux is not None else out.logits.new_zeros(())
+        return out
+
+    def _mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                     mask: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Depth k: inputs, labels, mask and positions shifted left by k (zero-filled)."""
+        total = hidden.new_zeros((), dtype=torch.float32)
+        ids, lab, msk, pos = input_ids, labels, mask, position_ids
+        for layer in self.mtp:
+            ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
+            hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
+            total = total + masked_cross_entropy(self.lm_head(hidden).float(), lab, msk)
+        return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
+
+    @staticmethod
+    def _take_aux(moes: list[MoE]) -> Optional[torch.Tensor]:
+        terms = [m.aux_loss for m in moes if m.aux_loss is not None]
+        for m in moes:
+            m.aux_loss = None
+        return torch.stack(terms).sum() if terms else None
+
+    # ------------------------------------------------------------------ Hugging Face interop
+    def save_pretrained(self, directory, max_shard_size: Union[int, str] = "5GB",
+                        dtype: Optional[torch.dtype] = None) -> None:
+        """Write ``config.json`` + safetensors in the Hugging Face DeepSeek-V3 layout."""
+        from lit_moe.checkpoint.hf import save_pretrained
+        save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(cls, directory, device: Union[str, torch.device] = "cpu",
+                        **config_overrides) -> "DeepseekV3ForCausalLM":
+        """Load a Hugging Face DeepSeek-V3 directory (ours or a real one); ``config_overrides`` set
+        training-side fields (e.g. ``compute_dtype``, ``moe_aux_loss_coeff``)."""
+        from lit_moe.checkpoint.hf import load_pretrained
+        return load_pretrained(directory, device=device, model_cls=cls, **config_overrides)
+
+
+def _normal_by_name(p: torch.Tensor, std: float, seed: int) -> None:
+    """Fill ``p`` with N(0, std) drawn by a CPU generator seeded with ``seed`` (full tensor for DTensors)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    if hasattr(p, "device_mesh"):   # DTensor: keep this rank's shard of the full tensor
+        from torch.distributed.tensor import distribute_tensor
+        local = distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements,
+                                  src_data_rank=None).to_local()
+        p.to_local().copy_(local)
+    else:
+        p.copy_(full)
+
+
+__all__ = ["CausalLMOutput", "DecoderLayer", "DeepseekV3ForCausalLM", "GroupedExperts", "MLP", "MoE",
+           "Router", "canonical_name", "masked_cross_entropy"]

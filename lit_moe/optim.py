@@ -1,0 +1,358 @@
+"""Optimizer construction from the ``optimizer:`` section: AdamW, or Muon with AdamW for the rest.
+
+Parameters arrive as ``(name, parameter)`` pairs of fp32 master weights: the strategy keeps parameters
+in fp32 and casts them to ``compute_dtype`` for the forward (FSDP2 ``MixedPrecisionPolicy``), so the
+optimizer always steps fp32 values and no separate master copy is needed here. A low-precision
+parameter is therefore an error (``model.params_dtype`` must stay float32).
+
+Weight decay follows MindFormers' ``get_param_groups``: a parameter matched by ``weight_decay_include``
+is decayed; otherwise one matched by ``weight_decay_exclude`` is not; otherwise 1-D parameters (norm
+weights) and names ending in ``.bias`` are not decayed and everything else is (embedding, head, router
+and expert weights included). A rule matches a name when it equals it, is a substring of it, or is an
+``fnmatch`` wildcard matching it.
+
+Parameter groups are split by (algorithm, decay, plain tensor vs DTensor): torch's foreach and fused
+kernels reject a list mixing plain tensors and DTensors, while DTensors on different meshes are fine in
+one group (torch 2.13). So the default ``foreach=None`` (torch picks foreach on CUDA/NPU, a loop on CPU)
+is always safe; ``fused: True`` asks for the fused kernel.
+
+``type: Muon`` returns a :class:`MuonWithAdamW`, one ``torch.optim.Optimizer`` holding a
+``torch.optim.Muon`` (2-D hidden matrices) and a ``torch.optim.AdamW`` (everything else) that share its
+``param_groups`` and ``state``; LR schedulers, Lightning, ``state_dict``/``load_state_dict`` and
+``torch.distributed.checkpoint`` see one ordinary optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from lit_moe.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS = ("AdamW", "Muon")
+
+# Keys read by every optimizer type, by each type, and keys consumed elsewhere or without effect here.
+_COMMON_KEYS = ("type", "weight_decay", "weight_decay_include", "weight_decay_exclude", "foreach", "fused",
+                "use_fused", "enable_fused_opt", "enable_cpu_offload")
+_TYPE_KEYS = {
+    "AdamW": ("betas", "eps", "amsgrad", "maximize"),
+    "Muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "matched_adamw_rms",
+             "adamw_betas", "adamw_eps", "adamw_include", "qk_clip_enabled", "qk_clip_threshold"),
+}
+# accumulate_allreduce_grads_in_fp32: read by the strategy (fp32 gradient reduction). The rest are
+# MindFormers/Ascend implementation switches with no meaning for torch's optimizers.
+_CONSUMED_ELSEWHERE = ("accumulate_allreduce_grads_in_fp32", "comm_strategy", "use_fused_adamw", "swap")
+
+# MindFormers defaults (OptimizerConfig for AdamW; pynative Muon for Muon).
+_DEFAULT_WEIGHT_DECAY = 0.01
+_DEFAULT_BETAS = (0.9, 0.95)
+_DEFAULT_EPS = 1e-8
+_DEFAULT_ADAMW_INCLUDE = ("*embed_tokens*", "*lm_head*")  # MindFormers: word_embeddings / output_layer
+
+
+@dataclass
+class OptimizerSettings:
+    """The validated ``optimizer:`` section."""
+
+    type: str = "AdamW"
+    weight_decay: float = _DEFAULT_WEIGHT_DECAY
+    weight_decay_include: list[str] = field(default_factory=list)
+    weight_decay_exclude: list[str] = field(default_factory=list)
+    foreach: Optional[bool] = None
+    fused: Optional[bool] = None
+    # AdamW (and the AdamW half of Muon, through adamw_betas / adamw_eps)
+    betas: tuple[float, float] = _DEFAULT_BETAS
+    eps: float = _DEFAULT_EPS
+    amsgrad: bool = False
+    maximize: bool = False
+    # Muon
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    adjust_lr_fn: str = "match_rms_adamw"
+    adamw_eps: float = _DEFAULT_EPS
+    adamw_include: tuple[str, ...] = _DEFAULT_ADAMW_INCLUDE
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+def _field(key: str) -> str:
+    return f"optimizer.{key}"
+
+
+def _float(section: dict, key: str, default: float, lo: float = 0.0, hi: Optional[float] = None,
+           hi_open: bool = False) -> float:
+    if section.get(key) is None:
+        return default
+    value = section[key]
+    if isinstance(value, str):  # PyYAML reads 1e-8 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{_field(key)}: expected a number, got {section[key]!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{_field(key)}: expected a finite number, got {section[key]!r}")
+    if value < lo or (hi is not None and (value >= hi if hi_open else value > hi)):
+        bound = f"[{lo:g}, {hi:g}{')' if hi_open else ']'}" if hi is not None else f">= {lo:g}"
+        raise ConfigError(f"{_field(key)}: must be {'in ' if hi is not None else ''}{bound}, got {section[key]!r}")
+    return float(value)
+
+
+def _bool(section: dict, key: str, default: Optional[bool]) -> Optional[bool]:
+    if section.get(key) is None:
+        return default
+    if not isinstance(section[key], bool):
+        raise ConfigError(f"{_field(key)}: expected true or false, got {section[key]!r}")
+    return section[key]
+
+
+def _betas(section: dict, key: str, default: tuple[float, float]) -> tuple[float, float]:
+    if section.get(key) is None:
+        return default
+    value = section[key]
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"{_field(key)}: expected two numbers [beta1, beta2], got {value!r}")
+    out = []
+    for i, b in enumerate(value):
+        out.append(_float({f"{key}[{i}]": b}, f"{key}[{i}]", 0.0, 0.0, 1.0, hi_open=True))
+    return out[0], out[1]
+
+
+def _rules(section: dict, key: str, default: Iterable[str] = ()) -> list[str]:
+    value = section.get(key)
+    if value is None:
+        return list(default)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, str) and r.strip() for r in value):
+        raise ConfigError(f"{_field(key)}: expected a list of parameter-name rules (strings), got {value!r}")
+    return list(value)
+
+
+def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSettings:
+    """Check ``optimizer:`` and resolve its defaults; one-line :class:`ConfigError` on a bad value.
+    Keys this optimizer does not read are named in one warning (the section allows extra keys)."""
+    section = dict(optimizer_section or {})
+    kind = section.get("type", "AdamW")
+    if not isinstance(kind, str) or kind not in SUPPORTED_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type: unknown optimizer {kind!r}; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
+    known = set(_COMMON_KEYS) | set(_TYPE_KEYS[kind]) | set(_CONSUMED_ELSEWHERE)
+    unused = sorted(k for k in section if k not in known)
+    if unused:
+        hint = " (Muon's AdamW half reads adamw_betas)" if kind == "Muon" and "betas" in unused else ""
+        log.warning("optimizer: %s ignores %s%s", kind, ", ".join(unused), hint)
+    if _bool(section, "enable_cpu_offload", False):
+        raise ConfigError("optimizer.enable_cpu_offload: not supported (as in MindFormers), got True")
+
+    s = OptimizerSettings(type=kind)
+    s.weight_decay = _float(section, "weight_decay", _DEFAULT_WEIGHT_DECAY)
+    s.weight_decay_include = _rules(section, "weight_decay_include")
+    s.weight_decay_exclude = _rules(section, "weight_decay_exclude")
+    s.foreach = _bool(section, "foreach", None)
+    fused = [k for k in ("fused", "use_fused", "enable_fused_opt") if section.get(k) is not None]
+    s.fused = any(_bool(section, k, False) for k in fused) if fused else None
+    if s.fused and s.foreach:
+        raise ConfigError(f"optimizer.{fused[0]}: fused and foreach cannot both be true")
+
+    if kind == "AdamW":
+        s.betas = _betas(section, "betas", _DEFAULT_BETAS)
+        s.eps = _float(section, "eps", _DEFAULT_EPS)
+        s.amsgrad = bool(_bool(section, "amsgrad", False))
+        s.maximize = bool(_bool(section, "maximize", False))
+        return s
+
+    # Muon. MindFormers passes the section's eps to Muon's Newton-Schulz (its default 1e-8) and runs the
+    # other parameters with adamw_betas (0.95, 0.95) / adamw_eps (1e-8), ignoring betas.
+    s.momentum = _float(section, "momentum", 0.95, 0.0, 1.0, hi_open=True)
+    s.nesterov = bool(_bool(section, "nesterov", True))
+    ns_steps = section.get("ns_steps", 5)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
+        raise ConfigError(f"optimizer.ns_steps: must be an integer in [1, 99], got {ns_steps!r}")
+    s.ns_steps = ns_steps
+    coeffs = section.get("ns_coefficients")
+    if coeffs is not None:
+        if (not isinstance(coeffs, (list, tuple)) or len(coeffs) != 3
+                or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
+            raise ConfigError("optimizer.ns_coefficients: expected three numbers [a, b, c] (one set for every "
+                              f"Newton-Schulz step), got {coeffs!r}")
+        s.ns_coefficients = tuple(float(c) for c in coeffs)
+    s.eps = _float(section, "eps", _DEFAULT_EPS)
+    adjust = section.get("adjust_lr_fn", "match_rms_adamw")
+    if adjust not in ("match_rms_adamw", "original"):
+        raise ConfigError(f"optimizer.adjust_lr_fn: expected match_rms_adamw or original, got {adjust!r}")
+    rms = section.get("matched_adamw_rms")
+    if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float)) or abs(rms - 0.2) > 1e-12):
+        raise ConfigError(f"optimizer.matched_adamw_rms: only 0.2 is supported (torch.optim.Muon's "
+                          f"match_rms_adamw), got {rms!r}")
+    s.adjust_lr_fn = adjust
+    s.betas = _betas(section, "adamw_betas", (0.95, 0.95))
+    s.adamw_eps = _float(section, "adamw_eps", _DEFAULT_EPS)
+    s.adamw_include = tuple(_rules(section, "adamw_include", _DEFAULT_ADAMW_INCLUDE))
+    if _bool(section, "qk_clip_enabled", False):
+        raise ConfigError("optimizer.qk_clip_enabled: QK-clip is not implemented; set it to false")
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# parameter classification
+# ----------------------------------------------------------------------------------------------
+# Wrappers that insert a component into parameter names (activation checkpointing, torch.compile, FSDP1);
+# rules are written against the model's own names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _matches(name: str, rules: Iterable[str]) -> Optional[str]:
+    for rule in rules:
+        if rule == name or rule in name or fnmatch(name, rule):
+            return rule
+    return None
+
+
+def uses_weight_decay(name: str, param: torch.Tensor, settings: OptimizerSettings) -> bool:
+    """include > exclude > MindFormers' defaults (no decay for 1-D parameters and biases)."""
+    if _matches(name, settings.weight_decay_include):
+        return True
+    if _matches(name, settings.weight_decay_exclude):
+        return False
+    return not (param.ndim == 1 or name.endswith(".bias"))
+
+
+def uses_muon(name: str, param: torch.Tensor, settings: OptimizerSettings) -> bool:
+    """Muon takes 2-D hidden matrices; embedding, head (``adamw_include``) and every other shape go to
+    AdamW. (MindFormers also orthogonalises each expert matrix of 3-D expert weights; torch.optim.Muon
+    takes 2-D parameters only, so expert weights stay on AdamW here.)"""
+    return param.ndim == 2 and not any(fnmatch(name, pattern) for pattern in settings.adamw_include)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(p, DTensor)
+
+
+def _trainable(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    seen: set[int] = set()
+    out = []
+    for name, p in named_parameters:
+        if not p.requires_grad or id(p) in seen:  # tied/shared parameters appear once
+            continue
+        seen.add(id(p))
+        if p.dtype != torch.float32:
+            raise ConfigError(f"model.params_dtype: the optimizer steps fp32 master weights, but parameter "
+                              f"{clean_name(name)!r} is {str(p.dtype).replace('torch.', '')}; keep "
+                              "params_dtype float32 (compute_dtype sets the compute precision)")
+        out.append((clean_name(name), p))
+    if not out:
+        raise ConfigError("optimizer: the model has no trainable parameters")
+    return out
+
+
+def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], settings: OptimizerSettings,
+                 learning_rate: float) -> list[dict[str, Any]]:
+    """Groups keyed by (algorithm, decay[, tensor kind]); each carries ``name`` and ``param_names``
+    (cleaned names, for logs) besides ``params``, ``lr`` and ``weight_decay``."""
+    params = _trainable(named_parameters)
+    kinds = {_is_dtensor(p) for _, p in params}
+    groups: dict[str, dict[str, Any]] = {}
+    for name, p in params:
+        algo = "muon" if settings.type == "Muon" and uses_muon(name, p, settings) else "adamw"
+        decay = uses_weight_decay(name, p, settings)
+        key = f"{algo}.{'decay' if decay else 'no_decay'}"
+        if len(kinds) > 1:  # only when plain tensors and DTensors are mixed
+            key += ".dtensor" if _is_dtensor(p) else ".tensor"
+        g = groups.setdefault(key, {"name": key, "params": [], "param_names": [], "lr": learning_rate,
+                                    "weight_decay": settings.weight_decay if decay else 0.0})
+        g["params"].append(p)
+        g["param_names"].append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Muon + AdamW as one optimizer
+# ----------------------------------------------------------------------------------------------
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the groups named ``muon.*`` and ``torch.optim.AdamW`` on the others, as one
+    optimizer. Both inner optimizers use this object's group dicts and its ``state`` (keyed by parameter,
+    so they never collide); after ``load_state_dict`` (which replaces both) they are linked again."""
+
+    def __init__(self, groups: list[dict[str, Any]], muon_kwargs: dict[str, Any], adamw_kwargs: dict[str, Any]):
+        muon_groups = [g for g in groups if g["name"].startswith("muon.")]
+        adamw_groups = [g for g in groups if not g["name"].startswith("muon.")]
+        self.muon = torch.optim.Muon(muon_groups, **muon_kwargs) if muon_groups else None
+        self.adamw = torch.optim.AdamW(adamw_groups, **adamw_kwargs) if adamw_groups else None
+        inner_groups = (self.muon.param_groups if self.muon else []) + (self.adamw.param_groups if self.adamw else [])
+        super().__init__(inner_groups, defaults={})  # adopts the inner group dicts as they are
+        self._link()
+
+    def _link(self) -> None:
+        n_muon = sum(1 for g in self.param_groups if g["name"].startswith("muon."))
+        if self.muon is not None:
+            self.muon.param_groups = self.param_groups[:n_muon]
+            self.muon.state = self.state
+        if self.adamw is not None:
+            self.adamw.param_groups = self.param_groups[n_muon:]
+            self.adamw.state = self.state
+
+    def __getstate__(self) -> dict[str, Any]:  # pickling/deepcopy keep the inner optimizers
+        return {**super().__getstate__(), "muon": self.muon, "adamw": self.adamw}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "muon" in self.__dict__:  # load_state_dict (and unpickling) replace groups and state
+            self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for inner in (self.muon, self.adamw):
+            if inner is not None:
+                inner.step()
+        return loss
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimizer_section: Optional[dict],
+                    learning_rate: float) -> torch.optim.Optimizer:
+    """The optimizer of ``optimizer_section`` over the trainable parameters, every group at
+    ``learning_rate`` (the schedule's peak; a ``LambdaLR`` scales it per step)."""
+    settings = validate_optimizer_section(optimizer_section)
+    groups = param_groups(named_parameters, settings, learning_rate)
+    kernels = {"foreach": settings.foreach, "fused": settings.fused}
+    if settings.type == "AdamW":
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
+                                      weight_decay=settings.weight_decay, amsgrad=settings.amsgrad,
+                                      maximize=settings.maximize, **kernels)
+    else:
+        muon_kwargs = dict(lr=learning_rate, weight_decay=settings.weight_decay, momentum=settings.momentum,
+                           nesterov=settings.nesterov, ns_coefficients=settings.ns_coefficients,
+                           eps=settings.eps, ns_steps=settings.ns_steps, adjust_lr_fn=settings.adjust_lr_fn)
+        adamw_kwargs = dict(lr=learning_rate, betas=settings.betas, eps=settings.adamw_eps,
+                            weight_decay=settings.weight_decay, **kernels)
+        optimizer = MuonWithAdamW(groups, muon_kwargs, adamw_kwargs)
+    log.info("optimizer: %s, %s", settings.type,
+             "; ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']:g}"
+                       for g in optimizer.param_groups))
+    return optimizer

@@ -1,0 +1,83 @@
+"""Global gradient norm and clipping over gradients that live on different meshes.
+
+``torch.nn.utils.clip_grad_norm_`` fails when gradients mix meshes (dense FSDP/TP parameters next
+to experts on the expert mesh) or mix plain tensors and DTensors. MindFormers'
+``_calculate_global_grad_norm`` avoids that with one all-reduce: every rank adds the fp32 sum of
+squares of its *local* gradient shards, each weighted so that a value held by several ranks is
+counted once, and the world sums those. A DTensor gradient with ``k`` distinct shards (the product of
+its ``Shard`` mesh dimensions) exists on ``world / k`` ranks, so its local sum of squares is weighted
+``k / world``; a plain gradient of a multi-process run is taken as replicated on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(local tensor, number of distinct shards it is one of)."""
+    if not isinstance(grad, DTensor):
+        return grad, 1
+    if any(isinstance(p, Partial) for p in grad.placements):
+        # Pending reductions (only without FSDP): finish them before measuring.
+        grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                             for p in grad.placements])
+    shards = 1
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Shard):
+            shards *= grad.device_mesh.size(dim)
+    return grad._local_tensor, shards
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """L2 norm (fp32) of every gradient of ``parameters`` over all ranks, each value counted once."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    world = _world() if group is None else dist.get_world_size(group)
+    total: Optional[torch.Tensor] = None
+    # Group local shards by their weight so each group is one fused norm.
+    by_weight: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+    device = None
+    for g in grads:
+        local, shards = _local_grad(g)
+        device = local.device
+        by_weight.setdefault((shards, local.device), []).append(local.float() if local.dtype != torch.float32 else local)
+    for (shards, dev), tensors in by_weight.items():
+        norms = torch._foreach_norm(tensors, 2.0)
+        sq = torch.stack([n.to(torch.float32) for n in norms]).pow(2).sum() * (shards / world)
+        total = sq if total is None else total + sq.to(total.device)
+    if total is None:
+        dev = device if device is not None else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+    if world > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
+
+    ``coef = max_norm / (norm + 1e-6)`` is applied when below 1 (MindFormers). ``max_norm <= 0``
+    only measures. A non-finite norm leaves the gradients untouched (the skip guard decides)."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params, group)
+    if max_norm <= 0 or not params:
+        return norm
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        by_device.setdefault((local.device, local.dtype), []).append(local)
+    for (dev, dtype), tensors in by_device.items():
+        torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
+    return norm

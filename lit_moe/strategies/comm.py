@@ -1,0 +1,183 @@
+"""Differentiable collectives on plain (local) tensors, Megatron style.
+
+Tensor, sequence, context and expert parallelism move activations with these; parameters stay
+DTensors (so checkpoints and gradient norms see their global layout) but the math runs on local
+tensors. Each function is the forward of an ``autograd.Function`` whose backward is the adjoint
+collective: all-gather ↔ reduce-scatter, all-to-all ↔ the reverse all-to-all.
+
+They are exposed to modules as plain callables (``functools.partial``) so that ``recompute_comm``
+can address them by name, e.g. ``mlp.router.all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    src = x.movedim(dim, 0).contiguous()
+    if src.shape[0] % n:
+        raise ValueError(f"reduce-scatter: size {src.shape[0]} of dim {dim} is not divisible by the group size {n}")
+    out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"split: size {x.shape[dim]} of dim {dim} is not divisible by the group size {n}")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherForwardSplitBackward(torch.autograd.Function):
+    """All-gather whose backward keeps only the local chunk: for values every rank of the group
+    uses identically afterwards (its gradient is then the same on all ranks, not a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim``; backward reduce-scatters (sums partial gradients)."""
+    return _AllGather.apply(x, group, dim) if _size(group) > 1 else x
+
+
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Sum the ranks' ``x`` and keep this rank's chunk of ``dim``; backward all-gathers."""
+    return _ReduceScatter.apply(x, group, dim) if _size(group) > 1 else x
+
+
+def split(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """This rank's chunk of ``dim`` (``x`` identical on all ranks); backward all-gathers."""
+    return _Split.apply(x, group, dim) if _size(group) > 1 else x
+
+
+def all_gather_replicated_grad(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    return _GatherForwardSplitBackward.apply(x, group, dim) if _size(group) > 1 else x
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits,
+                               input_split_sizes=input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.input_splits,
+                               input_split_sizes=ctx.output_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Variable-size all-to-all along dim 0 (``input_splits[r]`` rows go to rank r); backward reverses it."""
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+# ----------------------------------------------------------------------------------------------
+# vocabulary-parallel cross entropy
+# ----------------------------------------------------------------------------------------------
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token ``-log softmax(logits)[label]`` with the vocabulary split across ``group``: the
+    full logits never exist on one rank. ``vocab_start`` is this rank's first vocabulary id."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, group):
+        logits = logits.float()
+        local_v = logits.shape[-1]
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        local_label = labels - vocab_start
+        in_range = (local_label >= 0) & (local_label < local_v)
+        idx = torch.where(in_range, local_label, torch.zeros_like(local_label))
+        target = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * in_range
+        dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+        loss = sum_exp.log() - target
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, in_range)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, in_range = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -in_range.to(grad.dtype).unsqueeze(-1))
+        grad = grad * grad_loss.unsqueeze(-1)
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                                 group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Token-wise cross entropy (fp32, shape of ``labels``) from vocabulary-sharded logits."""
+    return _VocabParallelCrossEntropy.apply(local_logits, labels, vocab_start, group)

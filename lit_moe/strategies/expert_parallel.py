@@ -1,0 +1,241 @@
+"""MoE layers under tensor, context and expert parallelism.
+
+**Whole sequence in the router.** Under tensor (sequence) and context parallelism a rank holds only
+a piece of each sequence, but DeepSeek-V3's balancing loss (``seq_aux_loss``) and the expert-bias
+token counts are statistics of whole sequences. So a MoE layer all-gathers its input over the
+``cp × tp`` ranks of one sample (``mlp.router.all_gather``, MindFormers' name), routes every token
+on every one of those ranks (identical results), and reduce-scatters its output back. The work is
+not duplicated: the expert-sorted token rows are split evenly over those ``cp·tp`` ranks, each rank
+runs the experts on its slice only, and the partial outputs are summed by the reduce-scatter. The
+shared experts are tensor-parallel (partial over tp) and, being replicated over cp, scaled by 1/cp;
+the balancing loss, computed identically on all ``cp·tp`` ranks, has its gradient scaled by 1/tp
+(each context-parallel rank stands for its share of the objective, see ``context_parallel``).
+
+**Expert parallel** (TorchTitan's ``ExpertParallel``): the stacked expert weights are ``Shard(0)``
+DTensors on the ``ep`` mesh, and ``GroupedExperts.forward(x_sorted, num_tokens_per_expert)`` is
+wrapped: before it, the rows are sent to the rank owning their expert (``alltoall``: one
+variable-size all-to-all; ``allgather``: every rank gathers all rows and keeps its experts'), and
+re-ordered expert-major; after it, the inverse. Experts (or whole ranks) that receive no rows run
+on empty tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from lit_moe.strategies import comm
+from lit_moe.strategies.hooks import around_forward, transform_output
+from lit_moe.strategies.tensor_parallel import distribute_param
+
+
+# ----------------------------------------------------------------------------------------------
+# gradient scaling
+# ----------------------------------------------------------------------------------------------
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity in forward; multiplies the gradient by ``scale``."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# whole sequence in the MoE layer, token rows split over the cp·tp ranks
+# ----------------------------------------------------------------------------------------------
+def _slice_bounds(n: int, index: int, parts: int) -> tuple[int, int]:
+    return (n * index) // parts, (n * (index + 1)) // parts
+
+
+def _slice_counts(counts: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows per expert inside rows ``[start, end)`` of an expert-sorted table."""
+    hi = torch.cumsum(counts, 0)
+    lo = hi - counts
+    return (torch.clamp(torch.minimum(hi, torch.full_like(hi, end)) - torch.maximum(lo, torch.full_like(lo, start)),
+                        min=0)).to(counts.dtype)
+
+
+def apply_moe_sequence_split(moe: nn.Module, cp_tp_group: dist.ProcessGroup, tp: int, cp: int) -> None:
+    """Gather the sequence into the MoE layer over ``cp_tp_group`` and split its expert rows."""
+    parts = dist.get_world_size(cp_tp_group)
+    index = dist.get_rank(cp_tp_group)
+    moe.router.all_gather = functools.partial(comm.all_gather, group=cp_tp_group, dim=1)
+    moe.reduce_scatter = functools.partial(comm.reduce_scatter, group=cp_tp_group, dim=1)
+
+    def before(mod, args, kwargs):
+        return (mod.router.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
+
+    def after(mod, output, state):
+        if mod.aux_loss is not None and tp > 1:
+            mod.aux_loss = scale_grad(mod.aux_loss, 1.0 / tp)
+        return mod.reduce_scatter(output)
+
+    around_forward(moe, before, after)
+    if moe.shared_experts is not None and cp > 1:
+        transform_output(moe.shared_experts, lambda out: out * (1.0 / cp))
+
+    experts = moe.experts
+
+    def slice_before(mod, args, kwargs):
+        x, counts = args[0], args[1]
+        n = x.shape[0]
+        start, end = _slice_bounds(n, index, parts)
+        return (x[start:end], _slice_counts(counts, start, end)) + tuple(args[2:]), kwargs, (n, start, end)
+
+    def slice_after(mod, y, state):
+        n, start, end = state
+        return torch.nn.functional.pad(y, (0, 0, start, n - end))
+
+    around_forward(experts, slice_before, slice_after)
+
+
+def apply_moe_aux_scale(moe: nn.Module, tp: int) -> None:
+    """Only the gradient scaling of the balancing loss (when the layer sees the whole sequence)."""
+    if tp > 1:
+        def after(mod, args, output):
+            if mod.aux_loss is not None:
+                mod.aux_loss = scale_grad(mod.aux_loss, 1.0 / tp)
+            return output
+        moe.register_forward_hook(after)
+
+
+# ----------------------------------------------------------------------------------------------
+# expert parallel dispatch
+# ----------------------------------------------------------------------------------------------
+def _expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows arrive source-major ``(src, expert)``; return the permutation to expert-major order
+    and the rows per local expert. ``recv_counts``: ``[sources, local_experts]``."""
+    sources, local = recv_counts.shape
+    device = recv_counts.device
+    key = (torch.arange(local, device=device)[None, :] * sources + torch.arange(sources, device=device)[:, None])
+    key = torch.repeat_interleave(key.reshape(-1), recv_counts.reshape(-1).to(torch.long))
+    perm = torch.argsort(key, stable=True)
+    return perm, recv_counts.sum(dim=0)
+
+
+class _Dispatch:
+    """What ``combine`` needs from ``dispatch`` (kept per call)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, local_experts: int):
+    ep = dist.get_world_size(group)
+    counts = counts.to(torch.long)
+    send_counts = counts.view(ep, local_experts)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    # Host copies of the split sizes: the all-to-all of the rows needs them (one sync per layer).
+    send_splits = send_counts.sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    rows = comm.all_to_all(x, recv_splits, send_splits, group)
+    perm, local_counts = _expert_major(recv_counts)
+    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, send_splits=send_splits,
+                                                                recv_splits=recv_splits, kind="alltoall")
+
+
+def _alltoall_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
+    inverse = torch.argsort(d.perm)
+    y = y.index_select(0, inverse)
+    return comm.all_to_all(y, d.send_splits, d.recv_splits, group)
+
+
+def _allgather_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, local_experts: int):
+    ep = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    counts = counts.to(torch.long)
+    all_counts = torch.empty((ep,) + tuple(counts.shape), dtype=counts.dtype, device=counts.device)
+    dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)    # [ep, E]
+    sizes = all_counts.sum(dim=1)
+    n_max = int(sizes.max())
+    n = x.shape[0]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, n_max - n))
+    gathered = comm.all_gather(padded.unsqueeze(0), group, dim=0).reshape(ep * n_max, x.shape[-1])
+    # rows of my experts inside each source's expert-sorted block, source-major
+    first = me * local_experts
+    before_mine = all_counts[:, :first].sum(dim=1).tolist()
+    mine = all_counts[:, first:first + local_experts]                           # [ep, local]
+    take = mine.sum(dim=1).tolist()
+    index = torch.cat([torch.arange(src * n_max + before_mine[src], src * n_max + before_mine[src] + take[src],
+                                    device=counts.device) for src in range(ep)])
+    rows = gathered.index_select(0, index)
+    perm, local_counts = _expert_major(mine)
+    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep,
+                                                                kind="allgather")
+
+
+def _allgather_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
+    inverse = torch.argsort(d.perm)
+    y = y.index_select(0, inverse)
+    full = y.new_zeros(d.ep * d.n_max, y.shape[-1]).index_copy(0, d.index, y)
+    out = comm.reduce_scatter(full.view(d.ep, d.n_max, y.shape[-1]), group, dim=0)
+    return out.reshape(d.n_max, y.shape[-1])[: d.n]
+
+
+def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoall") -> None:
+    """Shard ``experts`` (``GroupedExperts``) over ``ep_mesh`` and route rows to their owners."""
+    group = ep_mesh.get_group()
+    ep = ep_mesh.size()
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.shape[0] % ep:
+            raise ValueError(f"expert parallel: {p.shape[0]} experts of {name} are not divisible by ep {ep}")
+        distribute_param(experts, name, ep_mesh, [Shard(0)])
+    local_experts = experts.gate_up_proj.shape[0] // ep
+    if dispatcher == "allgather":
+        dispatch, combine = _allgather_dispatch, _allgather_combine
+    else:
+        dispatch, combine = _alltoall_dispatch, _alltoall_combine
+
+    def before(mod, args, kwargs):
+        x, counts = args[0], args[1]
+        rows, local_counts, state = dispatch(x, counts, group, local_experts)
+        return (rows, local_counts) + tuple(args[2:]), kwargs, state
+
+    def after(mod, y, state):
+        return combine(y, state, group)
+
+    around_forward(experts, before, after)
+
+
+def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> list[nn.Module]:
+    """The MoE part of parallelize: sequence gather + row split over cp·tp, then expert parallel.
+    Returns the routed-expert modules (FSDP shards them on their own mesh)."""
+    experts = []
+    moes = model.moe_layers()
+    if not moes:
+        return experts
+    cp_tp = dims.cp * dims.tp
+    for moe in moes:
+        if cp_tp > 1:
+            apply_moe_sequence_split(moe, dims.mesh("cp_tp").get_group(), dims.tp, dims.cp)
+        if dims.ep > 1:
+            apply_expert_parallel(moe.experts, dims.mesh("ep"), dispatcher)
+        experts.append(moe.experts)
+    return experts
+
+
+def resolve_dispatcher(parallelism_value: str, model_value: Optional[str]) -> str:
+    """``parallelism.moe_token_dispatcher_type`` and ``model.moe_token_dispatcher_type`` may both be
+    given; a non-default value wins, two different non-defaults are an error."""
+    from lit_moe.config import ConfigError
+
+    model_value = "alltoall" if model_value in (None, "alltoall_deredundancy") else model_value
+    if parallelism_value != "alltoall" and model_value != "alltoall" and parallelism_value != model_value:
+        raise ConfigError(
+            f"parallelism.moe_token_dispatcher_type: {parallelism_value!r} conflicts with "
+            f"model.moe_token_dispatcher_type: {model_value!r}")
+    return parallelism_value if parallelism_value != "alltoall" else model_value

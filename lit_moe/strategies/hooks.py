@@ -1,0 +1,90 @@
+"""Small module-hook helpers shared by the tensor-, expert- and context-parallel steps.
+
+Parallelism is added around the model's modules with forward hooks, never by editing their
+``forward``: the model code stays the single-device math, FSDP2's hooks keep their place (FSDP
+registers its pre-forward hook with ``prepend=True``, so it runs first and ours see gathered
+parameters; our post-forward hooks were registered before FSDP's, so they run before it reshards),
+and recompute can still wrap ``forward`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+_STATE = "_lit_moe_hook_state"
+
+
+def around_forward(module: nn.Module, before: Callable[[nn.Module, tuple, dict], tuple[tuple, dict, Any]],
+                   after: Optional[Callable[[nn.Module, Any, Any], Any]] = None) -> None:
+    """Run ``before(module, args, kwargs) -> (args, kwargs, state)`` ahead of ``module.forward`` and
+    ``after(module, output, state) -> output`` behind it. States are kept on a per-module stack so
+    that nested or repeated calls (activation recompute) pair up correctly."""
+    stack: list = module.__dict__.setdefault(_STATE, [])
+
+    def pre(mod, args, kwargs):
+        args, kwargs, state = before(mod, args, kwargs)
+        stack.append(state)
+        return args, kwargs
+
+    def post(mod, args, kwargs, output):
+        state = stack.pop()
+        return after(mod, output, state) if after is not None else output
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def transform_output(module: nn.Module, fn: Callable[[Any], Any]) -> None:
+    """Replace ``module``'s output by ``fn(output)``."""
+    module.register_forward_hook(lambda mod, args, output: fn(output))
+
+
+# ----------------------------------------------------------------------------------------------
+# local parameters during forward
+# ----------------------------------------------------------------------------------------------
+_LOCAL = "_lit_moe_local_params"
+
+
+def use_local_params(module: nn.Module, partial_replicated_grads: bool = True) -> None:
+    """During ``module``'s forward, its DTensor parameters are replaced by their local tensors.
+
+    Tensor-parallel math runs on local shards (Megatron style) while parameters stay DTensors for
+    checkpoints, gradient norms and FSDP. A ``Replicate`` parameter inside a tensor-parallel region
+    gets only this rank's part of the gradient (its heads, its sequence shard, its slice of tokens),
+    so its gradient is declared ``Partial``: FSDP2 then all-reduces it over the tensor-parallel mesh
+    before its own reduce-scatter (``FSDPParam._get_grad_inner_tensor`` redistributes to the
+    parameter's placement)."""
+    if getattr(module, _LOCAL, False):
+        return
+    saved: list[dict[str, torch.Tensor]] = []
+
+    def pre(mod, args):
+        params = mod._parameters
+        swapped = {}
+        for name, p in params.items():
+            if isinstance(p, DTensor):
+                grad_placements = p.placements
+                if partial_replicated_grads:
+                    grad_placements = tuple(Partial() if isinstance(pl, Replicate) else pl for pl in p.placements)
+                swapped[name] = p
+                # not a Parameter: FSDP2's unsafe_setattr_param writes _parameters the same way
+                params[name] = p.to_local(grad_placements=grad_placements)
+        saved.append(swapped)
+
+    def post(mod, args, output):
+        for name, p in saved.pop().items():
+            mod._parameters[name] = p
+        return output
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+    setattr(module, _LOCAL, True)
+
+
+def direct_dtensor_params(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module._parameters.values())

@@ -1,0 +1,172 @@
+"""``parallelize(model, dims, parallelism, ...)``: TP → EP → CP → recompute → FSDP2, in small named
+steps (TorchTitan's order). Each step is a no-op when its degree is 1.
+
+FSDP2 (``fully_shard``) wraps the embedding, every block of ``model.blocks()`` (decoder and MTP
+layers), ``[norm, lm_head]`` and the root, on the dense FSDP mesh (``dp_shard·cp``, or
+``[dp_replicate, dp_shard·cp]`` for HSDP). Routed experts are wrapped on their own mesh
+(``dp_shard·cp·tp/ep``) before their block, with the gradient divided by ``dp·cp`` like every dense
+gradient. The mixed-precision policy comes from the model: parameters and optimizer state stay in
+``params_dtype`` (fp32 master weights), forward/backward compute in ``compute_dtype``, gradients are
+reduced in fp32 (``accumulate_allreduce_grads_in_fp32``); the router keeps ``router_dense_type``.
+
+One process with ``compute_dtype == params_dtype`` skips FSDP entirely (nothing to shard, nothing
+to cast): the plain module is the cheapest correct path. With a lower compute dtype a one-rank FSDP
+still applies the cast policy, so one and many processes run the same numerics.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lit_moe.config import ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+
+log = logging.getLogger(__name__)
+
+
+def apply_tp(model: nn.Module, dims) -> None:
+    if dims.tp > 1:
+        from lit_moe.strategies.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, dims.mesh("tp"))
+
+
+def apply_ep(model: nn.Module, dims, dispatcher: str) -> None:
+    if dims.ep > 1 or dims.cp * dims.tp > 1:
+        from lit_moe.strategies.expert_parallel import apply_moe_parallel
+
+        apply_moe_parallel(model, dims, dispatcher)
+
+
+def apply_cp(model: nn.Module, dims) -> None:
+    if dims.cp > 1:
+        from lit_moe.strategies.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, dims.mesh("cp"))
+
+
+def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims) -> None:
+    if recompute is None and recompute_comm is None:
+        return
+    try:
+        from lit_moe.strategies.recompute import apply_recompute
+    except ImportError:  # pragma: no cover - written by another engineer
+        log.warning("lit_moe.strategies.recompute is missing: recompute sections ignored")
+        return
+    apply_recompute(model, recompute, recompute_comm, dims)
+
+
+def _reshard_after_forward(block: nn.Module, default: bool) -> bool:
+    try:
+        from lit_moe.strategies.recompute import fsdp_reshard_after_forward
+    except ImportError:  # pragma: no cover
+        return default
+    return fsdp_reshard_after_forward(block, default)
+
+
+def mixed_precision(config: Any, reduce_in_fp32: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = config.torch_dtype("compute_dtype")
+    params = config.torch_dtype("params_dtype")
+    reduce = torch.float32 if reduce_in_fp32 else compute
+    dense = MixedPrecisionPolicy(param_dtype=compute if compute != params else None,
+                                 reduce_dtype=reduce if reduce != params else None)
+    router_dtype = config.torch_dtype("router_dense_type")
+    router = MixedPrecisionPolicy(param_dtype=router_dtype if router_dtype != params else None,
+                                  reduce_dtype=torch.float32 if reduce_in_fp32 else None)
+    return dense, router
+
+
+def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConfig, reduce_in_fp32: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from lit_moe.model import MoE
+
+    dense_mp, router_mp = mixed_precision(config, reduce_in_fp32)
+    zero3 = parallelism.data_parallel_shard_strategy == "optim_grads_params"
+    mesh = dims.mesh("fsdp")
+    emesh = dims.mesh("efsdp")
+    compute = config.torch_dtype("compute_dtype")
+    separate_router = config.torch_dtype("router_dense_type") != compute
+
+    local_experts = (config.n_routed_experts or 0) // dims.ep
+    efsdp = dims.efsdp
+
+    def expert_placement(param: nn.Parameter):
+        # Fewer local experts than shards: shard dim 1 instead of padding dim 0 (TorchTitan).
+        return Shard(1) if local_experts < efsdp else Shard(0)
+
+    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
+    if getattr(model, "position_embeddings", None) is not None:
+        fully_shard(model.position_embeddings, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
+    for block in model.blocks():
+        reshard = _reshard_after_forward(block, zero3)
+        mlp = block.mlp
+        if isinstance(mlp, MoE):
+            experts = fully_shard(mlp.experts, mesh=emesh, mp_policy=dense_mp, reshard_after_forward=reshard,
+                                  shard_placement_fn=expert_placement)
+            # Dense gradients are averaged over dp·cp ranks; expert gradients are summed over every rank
+            # of the expert mesh, so divide them by the same dp·cp.
+            experts.set_gradient_divide_factor(float(dims.dp_cp))
+            if dims.efsdp > 1 and _backend(emesh) not in ("nccl", "hccl"):
+                # gloo has no PREMUL_SUM. (Not with one shard: torch 2.13 would then divide twice.)
+                experts.set_force_sum_reduction_for_comms(True)
+            if hasattr(experts, "set_reduce_scatter_unused_params"):
+                experts.set_reduce_scatter_unused_params(True, recurse=False)
+            if separate_router:
+                fully_shard(mlp.router, mesh=mesh, mp_policy=router_mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=reshard)
+    # the head runs right after the last layer and its backward right away: keep it gathered
+    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=dense_mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
+
+
+def _backend(mesh) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(mesh.get_group(mesh.ndim - 1))).lower()
+    except Exception:
+        return "unknown"
+
+
+def needs_fsdp(dims, config: Any) -> bool:
+    return dims.world_size > 1 or config.torch_dtype("compute_dtype") != config.torch_dtype("params_dtype")
+
+
+def parallelize(
+    model: nn.Module,
+    dims,
+    parallelism: Optional[ParallelismConfig] = None,
+    recompute: Optional[RecomputeConfig] = None,
+    recompute_comm: Optional[RecomputeCommConfig] = None,
+    model_config: Any = None,
+    reduce_in_fp32: bool = True,
+    force_fsdp: bool = False,
+) -> nn.Module:
+    """Apply the run's parallelism to ``model`` in place (normally on the meta device) and return it.
+
+    ``dims`` must have its meshes built (:meth:`ParallelDims.build_meshes`) unless ``world_size == 1``
+    and nothing but recompute applies."""
+    from lit_moe.strategies.expert_parallel import resolve_dispatcher
+
+    parallelism = parallelism if parallelism is not None else ParallelismConfig()
+    config = model_config if model_config is not None else model.config
+    dims.validate_model(config)
+    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
+                                    getattr(config, "moe_token_dispatcher_type", None))
+
+    apply_tp(model, dims)
+    apply_ep(model, dims, dispatcher)
+    apply_cp(model, dims)
+    apply_recompute_step(model, recompute, recompute_comm, dims)
+    if force_fsdp or needs_fsdp(dims, config):
+        if not dims.meshes:
+            raise RuntimeError("parallelize: FSDP needs device meshes; call ParallelDims.build_meshes() first")
+        apply_fsdp(model, dims, config, parallelism, reduce_in_fp32)
+    return model

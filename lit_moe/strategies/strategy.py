@@ -1,0 +1,204 @@
+"""``AscendFSDPStrategy``: the ``parallelism`` section as device meshes and a sharded model.
+
+A Lightning ``ModelParallelStrategy`` whose ``setup_environment`` builds our meshes
+(:class:`~lit_moe.strategies.parallel_dims.ParallelDims`) instead of Lightning's fixed 2-D
+(data, tensor) mesh, whose ``distributed_sampler_kwargs`` follow the data-parallel mesh (tensor and
+context parallel ranks read the same samples), and whose :meth:`parallelize` applies tensor,
+expert and context parallelism, recompute and FSDP2 (``lit_moe.strategies.parallelize``).
+
+The same strategy runs one CPU process (the default of ``lit_moe fit``), N local processes
+(``--trainer.devices N``: Lightning re-launches the command), torchrun and SLURM jobs, on CPU
+(gloo), CUDA (nccl) and Ascend NPU (hccl).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+
+from lit_moe.config import ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.strategies.clip import clip_grad_norm_ as _clip_grad_norm_
+from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
+
+
+class AscendFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (+HSDP) with tensor, expert and context parallelism, built from ``parallelism``.
+
+    Args:
+        parallelism: the ``parallelism`` section.
+        recompute, recompute_comm: the ``recompute`` sections (applied by :meth:`parallelize`).
+        model_config: the model's ``DeepseekV3Config``; its dtypes give the mixed-precision policy
+            (parameters in ``params_dtype``, compute in ``compute_dtype``) and its sizes are checked
+            against the layout at setup.
+        accumulate_allreduce_grads_in_fp32: reduce gradients in fp32 (the ``optimizer`` key of the
+            same name); False reduces them in ``compute_dtype``.
+        lightning_kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``). ``timeout`` defaults to
+            ``parallelism.process_group_timeout_s``.
+    """
+
+    strategy_name = "ascend_fsdp"
+
+    def __init__(
+        self,
+        parallelism: Optional[ParallelismConfig] = None,
+        recompute: Optional[RecomputeConfig] = None,
+        recompute_comm: Optional[RecomputeCommConfig] = None,
+        model_config: Any = None,
+        accumulate_allreduce_grads_in_fp32: bool = True,
+        **lightning_kwargs: Any,
+    ) -> None:
+        parallelism = parallelism if parallelism is not None else ParallelismConfig()
+        if isinstance(parallelism, dict):
+            parallelism = ParallelismConfig(**parallelism)
+        check_parallelism_section(parallelism)
+        lightning_kwargs.setdefault("timeout", timedelta(seconds=parallelism.process_group_timeout_s))
+        lightning_kwargs.pop("data_parallel_size", None)
+        lightning_kwargs.pop("tensor_parallel_size", None)
+        super().__init__(**lightning_kwargs)
+        self.parallelism = parallelism
+        self.recompute = recompute
+        self.recompute_comm = recompute_comm
+        self.model_config = model_config
+        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        self._parallel_dims: Optional[ParallelDims] = None
+        self._parallelized: Optional[nn.Module] = None
+        self._sync_enabled = True
+
+    # ------------------------------------------------------------------------------------------
+    # environment and meshes
+    # ------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        # Not super().setup_environment(): that builds Lightning's 2-D (data, tensor) mesh.
+        self._setup_distributed()
+        dims = self._make_parallel_dims(self.world_size)
+        dims.build_meshes(self.root_device.type)
+        self._parallel_dims = dims
+        self._device_mesh = dims.mesh("batch")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _make_parallel_dims(self, world_size: int) -> ParallelDims:
+        p = self.parallelism
+        dims = ParallelDims(world_size=world_size, dp_shard=p.data_parallel_shard, tp=p.tensor_parallel,
+                            cp=p.context_parallel, pp=p.pipeline_parallel, ep=p.expert_parallel)
+        if self.model_config is not None:
+            dims.validate_model(self.model_config)
+        return dims
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The validated degrees (meshes built once the processes have started)."""
+        if self._parallel_dims is None:
+            # Before setup: the arithmetic only (world size from the launcher).
+            self._parallel_dims = self._make_parallel_dims(max(self.num_nodes * self.num_processes, 1))
+        return self._parallel_dims
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.dp_mesh
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    def dp_mesh(self):
+        """Data-parallel mesh (dp_replicate × dp_shard): ranks that read different samples."""
+        return self.parallel_dims.mesh("dp")
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.dp_mesh.get_group() if self._meshes_ready() else None
+
+    @property
+    def loss_reduce_group(self) -> Optional[dist.ProcessGroup]:
+        """dp × cp ranks: average the loss, sum the MoE token counts."""
+        return self.parallel_dims.mesh("dp_cp").get_group() if self._meshes_ready() else None
+
+    @property
+    def expert_count_group(self) -> Optional[dist.ProcessGroup]:
+        """Ranks whose MoE token counts must be summed: the data-parallel ranks. The MoE layers see
+        the whole sequence on every tensor- and context-parallel rank (they gather it), so their
+        counts are identical across those ranks."""
+        return self.dp_group
+
+    def _meshes_ready(self) -> bool:
+        return self._parallel_dims is not None and bool(self._parallel_dims.meshes)
+
+    # ------------------------------------------------------------------------------------------
+    # the model
+    # ------------------------------------------------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """TP → EP → CP → recompute → FSDP2 on ``model`` (normally still on the meta device)."""
+        from lit_moe.strategies.parallelize import parallelize
+
+        if self._parallelized is model:  # configure_model may run more than once
+            return model
+        model = parallelize(
+            model,
+            self.parallel_dims,
+            self.parallelism,
+            recompute=self.recompute,
+            recompute_comm=self.recompute_comm,
+            model_config=self.model_config if self.model_config is not None else getattr(model, "config", None),
+            reduce_in_fp32=self.accumulate_allreduce_grads_in_fp32,
+        )
+        self._parallelized = model
+        return model
+
+    # ------------------------------------------------------------------------------------------
+    # gradients
+    # ------------------------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Pre-clip global L2 norm (fp32) over every mesh; clips in place when ``max_norm > 0``."""
+        return _clip_grad_norm_(parameters, max_norm)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Reduce gradients after this micro-batch (``enabled``) or accumulate them unsharded.
+
+        Only acts when ``parallelism.gradient_sync_every_microbatch`` is False: the module calls it
+        with ``enabled = (last micro-batch of the step)``."""
+        if self.parallelism.gradient_sync_every_microbatch:
+            enabled = True
+        if enabled == self._sync_enabled:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self._parallelized
+        if model is None:
+            return
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(enabled, recurse=False)
+        self._sync_enabled = enabled
+
+
+def check_parallelism_section(p: ParallelismConfig) -> None:
+    """Field checks that need no world size (the CLI calls them before launching)."""
+    if p.data_parallel_shard_strategy not in ("optim_grads_params", "optim_grads"):
+        raise ParallelismError(
+            f"parallelism.data_parallel_shard_strategy: {p.data_parallel_shard_strategy!r} is not supported; "
+            "use 'optim_grads_params' (ZeRO-3) or 'optim_grads' (ZeRO-2)")
+    if p.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        raise ParallelismError(
+            f"parallelism.moe_token_dispatcher_type: {p.moe_token_dispatcher_type!r} is not supported; "
+            "use 'alltoall' or 'allgather'")
+    if isinstance(p.process_group_timeout_s, bool) or not isinstance(p.process_group_timeout_s, int) \
+            or p.process_group_timeout_s <= 0:
+        raise ParallelismError(
+            f"parallelism.process_group_timeout_s: must be a positive number of seconds, got "
+            f"{p.process_group_timeout_s!r}")
+    if p.pipeline_parallel != 1:
+        raise ParallelismError(
+            f"parallelism.pipeline_parallel: {p.pipeline_parallel!r} is not supported yet (only 1)")
+
+
+def register_strategy() -> None:
+    StrategyRegistry.register(
+        AscendFSDPStrategy.strategy_name, AscendFSDPStrategy,
+        description="FSDP2/HSDP + tensor, expert and context parallelism from the parallelism section",
+        override=True,
+    )

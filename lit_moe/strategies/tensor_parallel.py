@@ -1,0 +1,192 @@
+"""Tensor parallelism with sequence parallelism (Megatron layout) for MLA, dense MLP, shared experts,
+embedding and head.
+
+Between the layers' sub-blocks the residual stream is split along the sequence (``[B, S/T, H]``,
+"sequence parallel"). Each tensor-parallel block all-gathers the sequence on entry and
+reduce-scatters its partial output on exit:
+
+* MLA: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` are column-parallel (heads split), ``o_proj``
+  row-parallel; the low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms are replicated.
+* dense MLP and shared experts: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
+* embedding: vocabulary-parallel rows; each rank looks up its ids, the partial sums are
+  reduce-scattered along the sequence.
+* head: column-parallel over the vocabulary, on the all-gathered sequence. The loss is computed
+  vocabulary-parallel when the model exposes ``loss_function`` (see :func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`);
+  otherwise the logits are all-gathered along the vocabulary and the model's own loss runs on them.
+
+Every other parameter outside the routed experts (norms, router, low-rank projections, MTP
+projections) becomes a ``Replicate`` DTensor on the tensor-parallel mesh whose gradient is
+declared partial (:func:`lit_moe.strategies.hooks.use_local_params`). Parameters are sharded on the
+meta device with :func:`distribute_param`, so nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lit_moe.strategies import comm
+from lit_moe.strategies.hooks import around_forward, use_local_params
+
+
+def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -> None:
+    """Replace ``module.<name>`` by a DTensor with ``placements`` on ``mesh`` holding this rank's
+    chunk (``torch.chunk`` semantics, as DTensor). Works on the meta device."""
+    p = module._parameters[name]
+    if p is None or isinstance(p, DTensor):
+        return
+    local = p.detach()
+    coord = mesh.get_coordinate()
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n = mesh.size(dim)
+            local = local.chunk(n, dim=placement.dim)[coord[dim]]
+    dt = DTensor.from_local(local.contiguous(), mesh, list(placements),
+                            run_check=False, shape=p.shape, stride=p.stride())
+    module._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+def _colwise(linear: nn.Module, mesh) -> None:
+    distribute_param(linear, "weight", mesh, [Shard(0)])
+    use_local_params(linear)
+
+
+def _rowwise(linear: nn.Module, mesh) -> None:
+    distribute_param(linear, "weight", mesh, [Shard(1)])
+    use_local_params(linear)
+
+
+def _sequence_parallel_block(block: nn.Module, group) -> None:
+    """All-gather the sequence on entry (first positional argument), reduce-scatter the partial
+    output. Exposed as ``block.all_gather`` / ``block.reduce_scatter`` for ``recompute_comm``."""
+    block.all_gather = functools.partial(comm.all_gather, group=group, dim=1)
+    block.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
+
+    def before(mod, args, kwargs):
+        return (mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
+
+    def after(mod, output, state):
+        return mod.reduce_scatter(output)
+
+    around_forward(block, before, after)
+
+
+def tp_attention(attn: nn.Module, mesh) -> None:
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if hasattr(attn, name):
+            _colwise(getattr(attn, name), mesh)
+    _rowwise(attn.o_proj, mesh)
+    _sequence_parallel_block(attn, mesh.get_group())
+
+
+def tp_mlp(mlp: nn.Module, mesh, sequence_parallel: bool = True) -> None:
+    """Column/row-parallel MLP; with ``sequence_parallel`` it gathers and reduce-scatters itself
+    (dense MLP), otherwise its output stays partial (shared experts inside a MoE layer)."""
+    _colwise(mlp.gate_proj, mesh)
+    _colwise(mlp.up_proj, mesh)
+    _rowwise(mlp.down_proj, mesh)
+    if sequence_parallel:
+        _sequence_parallel_block(mlp, mesh.get_group())
+
+
+def tp_embedding(embedding: nn.Embedding, mesh) -> None:
+    """Vocabulary-parallel embedding whose output is the local sequence shard."""
+    distribute_param(embedding, "weight", mesh, [Shard(0)])
+    use_local_params(embedding)
+    group = mesh.get_group()
+    rank, n = mesh.get_local_rank(), mesh.size()
+    per_rank = embedding.num_embeddings // n
+    start, end = rank * per_rank, (rank + 1) * per_rank
+    embedding.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
+
+    def before(mod, args, kwargs):
+        ids = args[0]
+        inside = (ids >= start) & (ids < end)
+        local_ids = torch.where(inside, ids - start, torch.zeros_like(ids))
+        return (local_ids,) + tuple(args[1:]), kwargs, inside
+
+    def after(mod, output, inside):
+        output = output * inside.unsqueeze(-1).to(output.dtype)
+        return mod.reduce_scatter(output)
+
+    around_forward(embedding, before, after)
+
+
+def tp_head(model: nn.Module, mesh) -> None:
+    """Column-parallel head over the vocabulary on the all-gathered sequence."""
+    head = model.lm_head
+    _colwise(head, mesh)
+    group = mesh.get_group()
+    head.all_gather = functools.partial(comm.all_gather, group=group, dim=1)
+    vocab_start = mesh.get_local_rank() * (head.out_features // mesh.size())
+
+    if callable(getattr(model, "loss_function", None)):
+        original = model.loss_function
+
+        def vocab_parallel_loss(logits, labels, mask):
+            # ``logits`` are this rank's vocabulary columns; the model's masked mean is kept.
+            mask = mask.to(torch.float32)
+            labels = torch.where(mask > 0, labels, 0)
+            ce = comm.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                   vocab_start, group)
+            return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
+
+        vocab_parallel_loss.__wrapped__ = original  # type: ignore[attr-defined]
+        model.loss_function = vocab_parallel_loss
+        around_forward(head, lambda mod, args, kwargs: ((mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None))
+    else:
+        # The model computes its loss from full logits: gather them along the vocabulary. Every
+        # tensor-parallel rank then computes the same loss, so the backward keeps only the local
+        # columns of the (identical) logit gradient.
+        head.gather_vocab = functools.partial(comm.all_gather_replicated_grad, group=group, dim=-1)
+
+        def before(mod, args, kwargs):
+            return (mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
+
+        def after(mod, output, state):
+            return mod.gather_vocab(output)
+
+        around_forward(head, before, after)
+
+
+def replicate_remaining(model: nn.Module, mesh, skip: Sequence[nn.Module] = ()) -> None:
+    """Every parameter not yet a DTensor (outside ``skip`` sub-trees) → ``Replicate`` on ``mesh``,
+    computed locally with a partial gradient."""
+    skipped = {id(m) for root in skip for m in root.modules()}
+    for module in model.modules():
+        if id(module) in skipped:
+            continue
+        names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+        for name in names:
+            distribute_param(module, name, mesh, [Replicate()])
+        if any(isinstance(p, DTensor) for p in module._parameters.values()):
+            use_local_params(module)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Shard the model for tensor + sequence parallelism on ``tp_mesh`` (size > 1)."""
+    from lit_moe.model import MLP, MoE
+
+    tp_embedding(model.embed_tokens, tp_mesh)
+    experts = []
+    for block in model.blocks():
+        tp_attention(block.self_attention, tp_mesh)
+        mlp = block.mlp
+        if isinstance(mlp, MoE):
+            # gathered/scattered at the MoE boundary (expert_parallel.apply_moe_sequence_split)
+            if mlp.shared_experts is not None:
+                tp_mlp(mlp.shared_experts, tp_mesh, sequence_parallel=False)
+            experts.append(mlp.experts)
+        elif isinstance(mlp, MLP):
+            tp_mlp(mlp, tp_mesh, sequence_parallel=True)
+        else:  # pragma: no cover - the model contract has only these two
+            raise TypeError(f"tensor parallel: unknown MLP type {type(mlp).__name__}")
+    tp_head(model, tp_mesh)
+    replicate_remaining(model, tp_mesh, skip=experts)
+
+
+__all__ = ["apply_tensor_parallel", "distribute_param", "replicate_remaining"]

@@ -1,0 +1,55 @@
+"""Shared test helpers: small configs written to a temporary directory, and running ``lit_moe``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(tmp_path: Path, *, steps: int = 2, mock_data: bool = True, **overrides: Any) -> dict:
+    """configs/tiny.yaml shrunk for tests: mock data, no checkpoints, TensorBoard under tmp_path.
+
+    ``overrides`` are ``section=dict`` updates merged one level deep (``model={"hidden_size": 64}``).
+    """
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg["training"].update(steps=steps, local_batch_size=2, global_batch_size=4)
+    cfg["checkpoint"].update(enable_save=False, save_path=str(tmp_path / "ckpt"))
+    cfg["monitor"] = {"tensorboard": {"output_dir": str(tmp_path / "tb"), "log_interval": 1}}
+    cfg["model"].update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=32, seq_length=32, vocab_size=512,
+                        num_hidden_layers=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16)
+    dl = cfg["train_dataset"]["dataloader"]
+    dl["config"]["seq_length"] = 32
+    dl["sizes"] = [steps * 4 * 4, 0, 0]
+    if mock_data:
+        dl["config"].pop("data_path", None)
+    cfg["train_dataset"]["num_parallel_workers"] = 0
+    for section, values in overrides.items():
+        if isinstance(values, dict) and isinstance(cfg.get(section), dict):
+            cfg[section] = {**cfg[section], **copy.deepcopy(values)}
+        else:
+            cfg[section] = copy.deepcopy(values)
+    return cfg
+
+
+def write_config(tmp_path: Path, cfg: dict, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "lit_moe.cli", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
