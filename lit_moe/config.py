@@ -237,8 +237,9 @@ class ProfilerConfig:
 class AffinityConfig:
     enable: bool = False
     """Bind processes to CPUs."""
-    affinity_cpu_list: Optional[dict[str, list[str]]] = None
-    """``{"device0": ["0-7"], ...}``: CPUs for each local rank's main process (and its data workers)."""
+    affinity_cpu_list: Optional[dict[str, Any]] = None
+    """``{"device0": ["0-7"], ...}`` or the seed's ``{"device0": {"affinity_cpu_list": [...],
+    "module_to_cpu_dict": {...}}}``: CPUs for each local rank's main process and its data workers."""
 
 
 @dataclass

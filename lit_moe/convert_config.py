@@ -35,7 +35,8 @@ graph.yaml                                    pynative.yaml
                                               ``moe/drop_rate`` whenever a capacity is set
 ``moe_config`` (legacy MoE names)             ``model`` (``expert_num`` → ``n_routed_experts``, …)
 ``model_config.use_fused_rope``/``use_fused_swiglu``  ``model.*`` (same names)
-``context.affinity_config``                   ``context.affinity_config`` (``affinity_cpu_list`` per device)
+``context.affinity_config``                   ``context.affinity_config`` (``enable: true``, the per-device
+                                              entries under ``affinity_cpu_list``)
 ``train_dataset.data_loader``                 ``train_dataset.dataloader`` (``config.seed`` and
                                               ``config.num_dataset_builder_threads`` dropped)
 ============================================  ==========================================================
@@ -537,24 +538,32 @@ class _Converter:
         if affinity:
             if not isinstance(affinity, dict):
                 raise ConfigError(f"{source}: expected a mapping device_X -> CPU list, got {affinity!r}")
-            cpus: dict[str, list[str]] = {}
+            cpus: dict[str, Any] = {}
             for device, entry in affinity.items():
                 if isinstance(entry, dict):
-                    for key in entry:
-                        if key != "affinity_cpu_list":
+                    # the seed's shape: {affinity_cpu_list: [...], module_to_cpu_dict: {main, minddata, ...}}
+                    kept = {}
+                    for key, value in entry.items():
+                        if key in ("affinity_cpu_list", "module_to_cpu_dict"):
+                            kept[key] = value
+                        else:
                             self.dropped.append(f"{source}.{device}.{key}")
-                    entry = entry.get("affinity_cpu_list")
-                if entry is None:
-                    continue
-                if not isinstance(entry, (list, tuple)):
-                    entry = [entry]
-                cpus[str(device)] = [str(c) for c in entry]
+                    if kept.get("affinity_cpu_list") is not None:
+                        kept["affinity_cpu_list"] = _cpu_strings(kept["affinity_cpu_list"])
+                    if kept:
+                        cpus[str(device)] = kept
+                elif entry is not None:
+                    cpus[str(device)] = _cpu_strings(entry)
             if cpus:
                 self.out["context"] = {"affinity_config": {"enable": True, "affinity_cpu_list": cpus}}
         used.update({"affinity_config", "affinity_cpu_list"} & set(ctx))
         if "affinity_config" in ctx and "affinity_cpu_list" in ctx:
             self.dropped.append("context.affinity_cpu_list")  # affinity_config wins (seed)
         _leftovers("context", ctx, used, self.dropped)
+
+
+def _cpu_strings(entry: Any) -> list[str]:
+    return [str(c) for c in (entry if isinstance(entry, (list, tuple)) else [entry])]
 
 
 def warmup_ratio_for(warmup_steps: int, total_steps: int) -> Optional[float]:
@@ -604,6 +613,10 @@ def validate_conversion(pynative: dict) -> None:
 
     for name, cls in _FIXED_SECTIONS.items():
         _check_fixed_keys(name, pynative.get(name), cls)
+    if not pynative.get("model"):
+        raise ConfigError("model.model_config: missing or empty; the PyNative config needs the model section")
+    if not pynative.get("lr_scheduler"):
+        raise ConfigError("lr_schedule: missing; the PyNative config needs lr_scheduler.type and learning_rate")
     steps = pynative.get("training", {}).get("steps", TrainingConfig.steps)
     if "lr_scheduler" in pynative:
         resolve_schedule(pynative["lr_scheduler"], steps)

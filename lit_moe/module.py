@@ -140,8 +140,9 @@ class LitMoE(LightningModule):
 
         with torch.no_grad():
             terms = [out.loss, aux if aux is not None else 0.0, mtp if mtp is not None else 0.0]
-            self._loss_sum += torch.tensor([float(t) / A for t in terms], dtype=torch.float64)
-        self._micro_losses.append(float(out.loss) / A)
+            self._loss_sum += torch.tensor([float(t.detach() if torch.is_tensor(t) else t) / A for t in terms],
+                                           dtype=torch.float64)
+        self._micro_losses.append(float(out.loss.detach()) / A)
         self._collect_moe_aux()
         self._tokens += int(batch["input_ids"].numel())
 
@@ -154,7 +155,7 @@ class LitMoE(LightningModule):
         layers = self.model.moe_layers()
         if not layers:
             return
-        vals = torch.stack([torch.as_tensor(m.last_stats.get("aux_loss", 0.0), dtype=torch.float64).cpu()
+        vals = torch.stack([torch.as_tensor(m.last_stats.get("aux_loss", 0.0)).detach().double().cpu()
                             for m in layers])
         self._moe_aux_sum = vals if self._moe_aux_sum is None else self._moe_aux_sum + vals
 
@@ -213,10 +214,9 @@ class LitMoE(LightningModule):
         if not layers:
             return None
         counts = torch.stack([_local(m.tokens_per_expert).detach().float() for m in layers])
-        extra = torch.stack([
-            torch.tensor([float(m.last_stats.get("dropped_total", 0.0)),
-                          float(m.last_stats.get("assigned_total", 0.0))]) for m in layers
-        ]).to(counts.device)
+        # Capacity drops of this step: dropped and routed token-expert assignments per layer.
+        extra = torch.stack([torch.stack([_local(m.dropped_assignments).float(),
+                                          _local(m.total_assignments).float()]) for m in layers]).to(counts.device)
         if _dist_ready():
             # Counts are summed over data- and context-parallel ranks (tp/ep ranks of one group see
             # the same tokens after the strategy's collectives, so the group excludes them).
@@ -229,9 +229,12 @@ class LitMoE(LightningModule):
             for m in layers:
                 m.tokens_per_expert.zero_()
         for m in layers:
-            m.last_stats["dropped_total"] = 0.0
-            m.last_stats["assigned_total"] = 0.0
-        aux = (self._moe_aux_sum / self.accumulation_steps) if self._moe_aux_sum is not None else None
+            m.reset_drop_counters()
+        aux = None
+        coeff = float(getattr(self.model_config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        if self._moe_aux_sum is not None and coeff > 0:
+            # Logged per layer without the coefficient, as MindFormers' load_balancing_loss.
+            aux = self._moe_aux_sum / self.accumulation_steps / coeff
         bias = torch.stack([_local(m.router.expert_bias).detach().float().cpu() for m in layers])
         return {
             "tokens_per_expert": counts.cpu(),

@@ -102,8 +102,8 @@ def test_exact_resume_through_the_cli(tmp_path):
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "one_process"])
 def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
-    """Saved by 2 FSDP2 ranks after step 3; resumed in another layout, step 4 has the loss of the
-    uninterrupted dp2 run's step 4 (float32 compute; different reduction orders only)."""
+    """Saved by 2 FSDP2 ranks after step 3; resumed in another layout, steps 4 and 5 have the losses of
+    the uninterrupted dp2 run (float32 compute; different reduction orders only)."""
     base = _dp2_run(tmp_path_factory)
     tmp_path = tmp_path_factory.mktemp(layout)
     probe = tmp_path / "probe.jsonl"
@@ -111,26 +111,56 @@ def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
     extra = {"tp2": ["--trainer.devices", "2", "--parallelism.tensor_parallel", "2"],
              "ep2": ["--trainer.devices", "2", "--parallelism.expert_parallel", "2"],
              "one_process": ["--trainer.devices", "1"]}[layout]
-    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 4, ckpt), *extra)
+    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt), *extra)
     resumed = _probe(probe)
     straight = _probe(base / "probe.jsonl")
-    assert sorted(resumed) == [4]
-    assert resumed[4]["lr"] == straight[4]["lr"] and resumed[4]["consumed"] == straight[4]["consumed"]
-    assert float(resumed[4]["loss"]) == pytest.approx(float(straight[4]["loss"]), rel=2e-5, abs=1e-6)
-    # not vacuous: the loss moved between step 3 and step 4
+    assert sorted(resumed) == [4, 5]
+    # step 4's loss depends on the restored weights, step 5's also on the restored optimizer state
+    for step in (4, 5):
+        assert resumed[step]["lr"] == straight[step]["lr"]
+        assert resumed[step]["consumed"] == straight[step]["consumed"]
+        assert float(resumed[step]["loss"]) == pytest.approx(float(straight[step]["loss"]), rel=2e-5, abs=1e-6)
+    # not vacuous: the loss moves from step to step by far more than the tolerance
     assert abs(float(straight[4]["loss"]) - float(straight[3]["loss"])) > 1e-3
+    assert abs(float(straight[5]["loss"]) - float(straight[4]["loss"])) > 1e-3
 
 
 _DP2: dict = {}
 
 
 def _dp2_run(tmp_path_factory) -> Path:
-    """One 2-process FSDP2 run of 4 steps that saves after step 3 (shared by the resharding tests)."""
+    """One 2-process FSDP2 run of 5 steps that saves after step 3 (shared by the resharding tests)."""
     if "path" not in _DP2:
         base = tmp_path_factory.mktemp("dp2")
-        config = _config(base, "dp2.yaml", base / "probe.jsonl", 4,
+        config = _config(base, "dp2.yaml", base / "probe.jsonl", 5,
                          {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3})
         _fit(base, config, "--trainer.devices", "2")
-        assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4]
+        assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4, 5]
         _DP2["path"] = base
     return _DP2["path"]
+
+
+def test_hf_export_then_import_into_expert_parallel(tmp_path_factory):
+    """convert-hf of the dp2 checkpoint, then fine-tuning from that Hugging Face directory under
+    expert parallel 2 starts from the same weights as fine-tuning from the iteration directory in one
+    process: the same first-step loss."""
+    from lit_moe.checkpoint.convert_hf import main as convert_hf
+
+    base = _dp2_run(tmp_path_factory)
+    tmp_path = tmp_path_factory.mktemp("hf")
+    hf_dir = tmp_path / "hf"
+    assert convert_hf(["--config", str(base / "dp2.yaml"), "--checkpoint", str(base / "ckpt" / "iteration_00000003"),
+                       "--output", str(hf_dir)]) == 0
+    runs = {}
+    for name, load_path, extra in [("hf_ep2", hf_dir, ["--trainer.devices", "2", "--parallelism.expert_parallel", "2"]),
+                                   ("ours_one", base / "ckpt" / "iteration_00000003", ["--trainer.devices", "1"])]:
+        probe = tmp_path / f"{name}.jsonl"
+        config = _config(tmp_path, f"{name}.yaml", probe, 5, {"load_path": str(load_path), "no_load_optim": True})
+        _fit(tmp_path, config, "--trainer.max_steps", "1", *extra)
+        runs[name] = _probe(probe)
+    assert sorted(runs["hf_ep2"]) == [1] and sorted(runs["ours_one"]) == [1]
+    assert runs["hf_ep2"][1]["batches"] != [] and runs["hf_ep2"][1]["consumed"] == runs["ours_one"][1]["consumed"]
+    assert float(runs["hf_ep2"][1]["loss"]) == pytest.approx(float(runs["ours_one"][1]["loss"]), rel=2e-5)
+    # fine-tuning starts over: step 1, and the trained weights give a lower loss than the dp2 run's fresh start
+    fresh = _probe(base / "probe.jsonl")[1]
+    assert float(runs["ours_one"][1]["loss"]) < float(fresh["loss"]) - 1e-3

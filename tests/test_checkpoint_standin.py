@@ -46,12 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--prefix", default="ckpt")
     ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--strategy", default="single", choices=["single", "fsdp", "tp"])
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--kill-at-save", type=int, default=0, help="stall inside the save of this step (killed by the test)")
     ap.add_argument("--dump-weights", default="", help="after fit: write the full weights here (rank 0)")
     ap.add_argument("--eval-loss", action="store_true", help="after fit: print the loss of a fixed batch")
+    ap.add_argument("--raise-at", type=int, default=0, help="training_step raises at this optimizer step")
     ap.add_argument("--scenario", default="")
     ap.add_argument("--root", default="")
     return ap
@@ -178,6 +180,8 @@ def fit(argv: list[str]) -> list[dict]:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         def training_step(self, batch, batch_idx):
+            if args.raise_at and self.trainer.global_step + 1 == args.raise_at:
+                raise StandInFailure(f"failure in step {args.raise_at}")
             opt, sched = self.optimizers(), self.lr_schedulers()
             loss = self.model(batch["x"], batch["y"])
             self.manual_backward(loss / ACCUM)
@@ -217,7 +221,7 @@ def fit(argv: list[str]) -> list[dict]:
             from lightning.pytorch.strategies import ModelParallelStrategy
 
             strategy = ModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=args.devices // DP)
-        trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.max_steps,
                              max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, callbacks=callbacks, num_sanity_val_steps=0,
                              limit_val_batches=0, use_distributed_sampler=False, deterministic=True)
@@ -228,9 +232,11 @@ def fit(argv: list[str]) -> list[dict]:
 
             if args.eval_loss:
                 batch = Data()[9999]
+                device = next(module.model.parameters()).device
                 module.model.eval()
                 with torch.no_grad():
-                    emit({"event": "eval", "loss": float(module.model(batch["x"][None], batch["y"][None]))})
+                    loss = module.model(batch["x"][None].to(device), batch["y"][None].to(device))
+                emit({"event": "eval", "loss": float(loss)})
             full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
                     for k, v in module.model.state_dict().items()}
             if args.dump_weights and trainer.is_global_zero:
@@ -240,6 +246,10 @@ def fit(argv: list[str]) -> list[dict]:
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
     return records
+
+
+class StandInFailure(RuntimeError):
+    """Raised by the stand-in's training step on request (``--raise-at``)."""
 
 
 def _install_kill_hook(step: int) -> None:
@@ -433,6 +443,68 @@ def test_async_save_overlaps_training_and_resumes(tmp_path, monkeypatch):
     resumed = by_step(run_here("--save-path", str(save), "--load-path", str(save), "--max-steps", "6")[0])
     for step in (5, 6):
         assert resumed[step] == straight[step]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_no_save_after_an_exception(tmp_path, async_save):
+    """A run that fails in step 3 keeps the step-2 checkpoint (an asynchronous one completes) and
+    writes nothing for the failed step, not even the final save."""
+    save = tmp_path / "ckpt"
+    with pytest.raises(StandInFailure):
+        run_here("--save-path", str(save), "--interval", "2", "--max-steps", "6", "--raise-at", "3",
+                 *(["--async-save"] if async_save else []))
+    assert tracker(save) == "2"
+    assert sorted(p.name for p in save.iterdir()) == ["iteration_00000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_resume_never_unpickles(tmp_path, monkeypatch):
+    """Loading reads safetensors and JSON only: with pickle and torch.load disabled a full resume and
+    a weights-only load still work (a planted pickle in the directory is never opened)."""
+    import pickle
+
+    import torch
+
+    save = tmp_path / "ckpt"
+    run_here("--save-path", str(save), "--max-steps", "2", "--interval", "2")
+    (save / "iteration_00000002" / "meta.pt").write_bytes(b"not opened")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a checkpoint load unpickled something")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", forbidden)
+    assert sorted(by_step(run_here("--load-path", str(save), "--max-steps", "3")[0])) == [3]
+    assert sorted(by_step(run_here("--load-path", str(save), "--no-load-optim", "--max-steps", "1")[0])) == [1]
+
+
+def test_checkpoint_config_errors(tmp_path):
+    from lit_moe.checkpoint import build_checkpoint_callback, resolve_load
+    from lit_moe.config import CheckpointConfig, ConfigError
+
+    assert build_checkpoint_callback(CheckpointConfig(enable_save=False)) is None
+    for fields, words in [({"save_interleaved_steps": 0}, "checkpoint.save_interleaved_steps: must be a positive"),
+                          ({"save_max": -1}, "checkpoint.save_max: must be a positive integer, got -1"),
+                          ({"save_path": ""}, "checkpoint.save_path: must be set"),
+                          ({"prefix": "a/b"}, "checkpoint.prefix: must be a file-name prefix")]:
+        with pytest.raises(ConfigError, match=words):
+            build_checkpoint_callback(CheckpointConfig(**{"save_path": str(tmp_path), **fields}))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="checkpoint.save_path: .* is not a directory"):
+        build_checkpoint_callback(CheckpointConfig(save_path=str(tmp_path / "file")))
+    with pytest.raises(ConfigError, match="checkpoint.load_worker_number: must be a positive integer, got 0"):
+        resolve_load(CheckpointConfig(load_worker_number=0))
+    with pytest.raises(ConfigError, match="is a file"):
+        resolve_load(CheckpointConfig(load_path=str(tmp_path / "file")))
+
+
+def test_null_prefix_file_names(tmp_path):
+    save = tmp_path / "ckpt"
+    run_here("--save-path", str(save), "--max-steps", "1", "--interval", "1", "--prefix", "")
+    assert sorted(p.name for p in (save / "iteration_00000001").iterdir()) == [
+        "common.json", "model-0000000-0000001.safetensors", "opt-0000000-0000001.safetensors",
+        "rng-0000000-0000001.json"]
 
 
 def test_weights_only_load_and_no_save_optim(tmp_path):

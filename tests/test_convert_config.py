@@ -4,7 +4,6 @@ listing graph-only keys, ``gradient_accumulation_steps``, and the converted file
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_moe.config import (AffinityConfig, ConfigError, ContextConfig, ParallelismConfig, RecomputeCommConfig,
-                            RecomputeConfig, TrainDatasetConfig, TrainingConfig)
+from lit_moe.config import (ConfigError, ContextConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
+                            TrainDatasetConfig, TrainingConfig)
 from lit_moe.convert_config import (MP_COMM_PATTERN, SELECT_PATTERN, GraphOnlyKeysWarning, convert,
                                     convert_graph_config, global_batch_from_accumulation, main,
                                     translate_gradient_accumulation, warmup_ratio_for)
@@ -29,7 +28,7 @@ EXPECTED_DROPPED = {
     "runner_config.sink_mode", "runner_config.sink_size", "optimizer.swap",
     "train_dataset.data_loader.config.seed", "train_dataset.data_loader.config.num_dataset_builder_threads",
     "train_dataset_task", "context.mode", "context.device_target", "context.max_device_memory",
-    "context.affinity_config.device_0.module_to_cpu_dict", "parallel_config.pipeline_stage",
+    "parallel_config.pipeline_stage",
     "parallel_config.micro_batch_num", "parallel_config.use_seq_parallel",
     "parallel_config.gradient_aggregation_group", "micro_batch_interleave_num", "parallel", "use_legacy",
     "model.model_config.offset", "model.model_config.pp_interleave_num",
@@ -89,7 +88,8 @@ def test_fixture_maps_every_field():
     assert m["moe_expert_capacity_factor"] == 1.5             # moe_config.capacity_factor
     for key in ("offset", "pp_interleave_num", "apply_rope_fusion", "moe_token_drop_policy", "model_config"):
         assert key not in m
-    assert pyn["context"] == {"affinity_config": {"enable": True, "affinity_cpu_list": {"device_0": ["0-1"]}}}
+    assert pyn["context"] == {"affinity_config": {"enable": True, "affinity_cpu_list": {"device_0": {
+        "affinity_cpu_list": ["0-1"], "module_to_cpu_dict": {"main": [0], "minddata": [1]}}}}}
 
     assert set(dropped) == EXPECTED_DROPPED and len(dropped) == len(EXPECTED_DROPPED)
     assert len(record) == 1
@@ -98,15 +98,20 @@ def test_fixture_maps_every_field():
 
 
 def test_converted_sections_fit_the_section_dataclasses():
+    """Typed as ``lit_moe fit`` parses them (jsonargparse over the section dataclasses)."""
+    from jsonargparse import ArgumentParser
+
     pyn = quiet_convert(load_graph()).pynative
-    assert set(pyn) <= {"checkpoint", "training", "optimizer", "lr_scheduler", "parallelism", "recompute",
-                        "recompute_comm", "train_dataset", "model", "monitor", "profiler", "context"}
-    TrainingConfig(**pyn["training"])
-    ParallelismConfig(**pyn["parallelism"])
-    RecomputeConfig(**pyn["recompute"])
-    RecomputeCommConfig(**pyn["recompute_comm"])
-    TrainDatasetConfig(**pyn["train_dataset"])
-    ContextConfig(affinity_config=AffinityConfig(**pyn["context"]["affinity_config"]))
+    fixed = {"training": TrainingConfig, "parallelism": ParallelismConfig, "recompute": RecomputeConfig,
+             "recompute_comm": RecomputeCommConfig, "train_dataset": TrainDatasetConfig, "context": ContextConfig}
+    assert set(pyn) <= set(fixed) | {"optimizer", "lr_scheduler", "model"}
+    parser = ArgumentParser(exit_on_error=False)
+    for name, cls in fixed.items():
+        parser.add_argument(f"--{name}", type=cls, default=cls())
+    parsed = parser.instantiate_classes(parser.parse_object({k: pyn[k] for k in fixed}))
+    assert parsed.context.affinity_config.enable is True
+    assert parsed.recompute.full_recompute_layer == ["0-2"]
+    assert parsed.training.global_batch_size == 4
 
 
 def test_notes_explain_the_moe_switches_and_the_derived_steps():
@@ -176,6 +181,16 @@ def test_recompute_rows(rc, recompute, comm):
     pyn = quiet_convert(small_graph(recompute_config=rc)).pynative
     assert pyn.get("recompute") == recompute
     assert pyn.get("recompute_comm") == comm
+
+
+def test_mp_comm_pattern_names_the_tensor_parallel_gathers_only():
+    import re
+
+    # the names lit_moe.strategies gives the sequence-parallel / MoE all-gathers, and FSDP's virtual one
+    for path in ("self_attention.all_gather", "mlp.all_gather", "mlp.router.all_gather"):
+        assert re.fullmatch(MP_COMM_PATTERN, path), path
+    for path in ("fsdp.all_gather", "self_attention.reduce_scatter", "self_attention"):
+        assert not re.fullmatch(MP_COMM_PATTERN, path), path
 
 
 def test_legacy_moe_config_names():
@@ -289,7 +304,10 @@ def test_converted_file_plans_and_trains_two_steps(tmp_path, capsys):
     cfg.pop("data_path")
     cfg["vocab_size"] = pyn["model"]["vocab_size"]
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    pyn["context"]["affinity_config"]["affinity_cpu_list"]["device_0"] = [str(c) for c in cpus]
+    device_0 = pyn["context"]["affinity_config"]["affinity_cpu_list"]["device_0"]
+    device_0["affinity_cpu_list"] = [str(c) for c in cpus]
+    if len(cpus) < 2:  # the fixture gives the data workers the second CPU
+        device_0.pop("module_to_cpu_dict")
     run_cfg = tmp_path / "run.yaml"
     run_cfg.write_text(yaml.safe_dump(pyn, sort_keys=False))
 
@@ -298,7 +316,11 @@ def test_converted_file_plans_and_trains_two_steps(tmp_path, capsys):
     assert plan_main(["--config", str(run_cfg), "--world-size", "1"]) == 0
     assert "accumulation steps 2" in capsys.readouterr().out  # 4 // (1 × 2)
 
-    result = run_cli(["fit", "--config", str(run_cfg)], cwd=tmp_path, timeout=540)
+    # graph mode's --gradient_accumulation_steps is accepted on fit and becomes the global batch
+    # (2 × data_parallel 1 × local batch 2 = 4, what the conversion wrote)
+    result = run_cli(["fit", "--config", str(run_cfg), "--gradient_accumulation_steps", "2"], cwd=tmp_path,
+                     timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "step 2/2" in log, log[-3000:]
+    assert "global_batch_size=4" in result.stderr

@@ -10,8 +10,7 @@ import pytest
 
 from lit_moe.config import ConfigError
 from lit_moe.data import DatasetError, GPTDataset, GPTDatasetConfig, IndexedDataset, IndexedDatasetBuilder, build_datasets
-from lit_moe.data.gpt import (MockLowLevelDataset, build_document_index, build_sample_index, build_shuffle_index,
-                              compressed_eod_mask, ltor_masks_and_position_ids)
+from lit_moe.data.gpt import MockLowLevelDataset, build_sample_index, compressed_eod_mask, ltor_masks_and_position_ids
 from lit_moe.data.indexed import write_indexed_dataset
 from test_data_support import (EOD, assert_same_samples, dataloader_section, make_documents, megatron,
                                megatron_config, megatron_gpt, tmp_prefix, write_with_megatron)

@@ -10,7 +10,7 @@ import pytest
 from lit_moe.config import ConfigError
 from lit_moe.data import DatasetError, IndexedDataset, IndexedDatasetBuilder
 from lit_moe.data.indexed import INDEX_MAGIC, write_indexed_dataset
-from test_data_support import make_documents, megatron, tmp_prefix, write_with_megatron
+from test_data_support import make_documents, megatron, tmp_prefix
 
 
 def test_header_bytes_by_hand(tmp_path):

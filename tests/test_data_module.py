@@ -240,3 +240,40 @@ def test_configuration_errors(prefix):
         empty.train_dataloader()
     with pytest.raises(ConfigError, match="cannot fill one micro-batch"):
         module(train_config(prefix), batch=1000).train_dataloader()
+
+
+def _affinity_after_init(init):
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(1) as pool:
+        return pool.apply_async(_run_init, (init,)).get(timeout=60)
+
+
+def _run_init(init):
+    init(0)
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity API")
+def test_numa_lookup_and_worker_binding(prefix, tmp_path, monkeypatch):
+    import lit_moe.data.datamodule as datamodule
+
+    # a fake sysfs: the GPU at 0000:1a:00.0 sits on node 1, whose CPUs include one we may use
+    allowed = sorted(os.sched_getaffinity(0))
+    (tmp_path / "bus/pci/devices/0000:1a:00.0").mkdir(parents=True)
+    (tmp_path / "bus/pci/devices/0000:1a:00.0/numa_node").write_text("1\n")
+    (tmp_path / "devices/system/node/node1").mkdir(parents=True)
+    (tmp_path / "devices/system/node/node1/cpulist").write_text(f"{allowed[0]},{max(allowed) + 1}-{max(allowed) + 8}\n")
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1A, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    cpus, why = datamodule.numa_cpus(torch.device("cuda", 0), sysfs=str(tmp_path))
+    assert cpus == {allowed[0]}, why
+    assert datamodule.numa_cpus(torch.device("cuda", 0), sysfs=str(tmp_path / "none"))[0] is None
+    assert datamodule._parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+
+    monkeypatch.setattr(datamodule, "numa_cpus", lambda device: ({allowed[0]}, ""))
+    cfg = train_config(prefix, multiprocessing=True, workers=1)
+    cfg.numa_enable = True
+    workers, init, bound = module(cfg)._worker_setup()
+    assert bound == {allowed[0]}
+    assert _affinity_after_init(init) == [allowed[0]]

@@ -261,6 +261,20 @@ def test_model_aux_loss_sums_layers_and_is_not_double_counted_under_checkpoint()
     torch.testing.assert_close(m.layers[1].mlp.router.weight.grad, g_plain, atol=1e-6, rtol=1e-5)
 
 
+def test_first_forward_inside_activation_checkpoint(monkeypatch):
+    """The one-time grouped_mm probe must not save tensors into a checkpoint region (recompute mismatch)."""
+    import lit_moe.model.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_GROUPED_MM_RUNS", {})
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(BASE).train()
+    for layer in m.layers:
+        layer.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(layer.forward)
+    ids = torch.randint(0, 64, (2, 6))
+    m(ids, labels=ids).loss.backward()
+    assert moe_mod._GROUPED_MM_RUNS and m.layers[1].mlp.router.weight.grad is not None
+
+
 def test_expert_bias_update_sign_rule():
     m, _ = make_moe(n_routed_experts=4, num_experts_per_tok=1, n_group=1, topk_group=1, num_hidden_layers=3,
                     moe_router_bias_update_rate=1e-3)

@@ -118,3 +118,18 @@ def test_mtp_aux_loss_scaled_by_depth():
     out = m(ids, labels=ids)
     main, *mtp = [moe.last_stats["aux_loss"] for moe in m.moe_layers()]
     torch.testing.assert_close(out.aux_loss, main + sum(mtp) / 2)
+
+
+def test_int32_batches_as_the_dataset_returns_them():
+    m = build(1)
+    ids = torch.randint(0, 50, (2, 7))
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, 3] = -100
+    mask = torch.ones(2, 7)
+    with torch.no_grad():
+        a = m(ids, labels=labels, loss_mask=mask, position_ids=torch.arange(7)[None].expand(2, 7))
+        b = m(ids.int(), labels=labels.int(), loss_mask=mask.int(), position_ids=torch.arange(7, dtype=torch.int32)[None])
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.mtp_loss, b.mtp_loss)
+    keep = (labels != -100).reshape(-1).float()
+    ce = F.cross_entropy(a.logits.reshape(-1, 50), labels.clamp_min(0).reshape(-1), reduction="none")
+    torch.testing.assert_close(a.loss, (ce * keep).sum() / keep.sum())

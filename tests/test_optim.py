@@ -4,7 +4,6 @@ under LambdaLR and Lightning, DTensor grouping, and configuration errors."""
 
 import io
 import math
-import os
 
 import pytest
 import torch
@@ -205,6 +204,32 @@ def test_muon_state_dict_round_trip_resumes_exactly():
         assert torch.equal(pa, pb), n
 
 
+def test_distributed_checkpoint_state_dict_round_trip():
+    """torch.distributed.checkpoint's optimizer state dict (keyed by parameter name) saves and restores
+    the Muon+AdamW optimizer like any optimizer."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model_a, opt_a = muon_model_and_opt()
+    before = [p.detach().clone() for p in model_a.parameters()]
+    get_optimizer_state_dict(model_a, opt_a)  # a fresh optimizer: DCP initialises its state (lr 0 step)
+    assert all(torch.equal(b, p) for b, p in zip(before, model_a.parameters()))
+    grads_for(model_a, 0)
+    opt_a.step()
+    saved = copy.deepcopy(get_optimizer_state_dict(model_a, opt_a))
+    assert "q_proj.weight" in saved["state"] and "momentum_buffer" in saved["state"]["q_proj.weight"]
+
+    model_b, opt_b = muon_model_and_opt(seed=1)
+    model_b.load_state_dict(model_a.state_dict())
+    set_optimizer_state_dict(model_b, opt_b, saved)
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        grads_for(model, 1)
+        opt.step()
+    for (n, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb), n
+
+
 def test_lambda_lr_drives_both_halves():
     model, opt = muon_model_and_opt()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
@@ -255,14 +280,19 @@ def test_lightning_accepts_the_muon_optimizer(tmp_path):
 # DTensor grouping (one process, world size 1)
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def gloo_world():
+def gloo_world(monkeypatch):
+    import socket
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         yield
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(29500 + os.getpid() % 1000)
+    with socket.socket() as s:  # a free port; the variables are restored after the test
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

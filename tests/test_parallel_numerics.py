@@ -32,6 +32,7 @@ LAYOUTS = {
     "ep2": (2, -1, 1, 1, 2, "alltoall", True, 1),
     "cp2": (2, -1, 1, 2, 1, "alltoall", True, 0),
     "dp2_ep2_allgather": (4, -1, 1, 1, 2, "allgather", True, 1),
+    "dp2_ep2": (4, -1, 1, 1, 2, "alltoall", True, 1),
     "hsdp2x2": (4, 2, 1, 1, 1, "alltoall", True, 1),
     "tp2_ep2": (4, -1, 2, 1, 2, "alltoall", True, 1),
 }
@@ -62,7 +63,6 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
     import torch.distributed as dist
 
     from lit_moe.strategies import clip_grad_norm_
-    from lit_moe.strategies.clip import _local_grad  # noqa: F401  (import check)
 
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.01, foreach=False)
     data = batches()
@@ -98,7 +98,15 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
         out["grad_norm"].append(float(norm))
         out["expert_bias"].append(torch.stack([m.router.expert_bias.detach().clone() for m in model.moe_layers()])
                                   .tolist())
+    out["optimizer_state_bytes"] = sum(_local(v).numel() * v.element_size() for state in opt.state.values()
+                                       for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
     return out
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def reference(mtp: int) -> dict:
@@ -141,16 +149,31 @@ def run_layout(name: str) -> dict:
     result = train(model, dims, dp_rank=dp_mesh.get_local_rank(), dp=dims.dp, accumulation=accumulation,
                    sync_every_micro=sync, count_group=dp_mesh.get_group())
     result["memory"] = memory_report(model, dims)
+    result["memory"]["optimizer"] = result.pop("optimizer_state_bytes")
     return result
 
 
-def memory_report(model, dims) -> dict:
-    """Local parameter / optimizer-state elements of this rank, and what FSDP should give."""
-    from torch.distributed.tensor import DTensor
+TP_SHARDED = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "gate_proj.weight",
+              "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
-    local = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
-    return {"local": local, "total": total}
+
+def memory_report(model, dims) -> dict:
+    """This rank's parameter bytes (from its local shards) and the bytes the layout should give:
+    routed experts split over dp_shard·cp·tp ranks, tensor-parallel weights over dp_shard·cp·tp,
+    everything else over dp_shard·cp (replicated over tp)."""
+    local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    expected = 0.0
+    for name, p in model.named_parameters():
+        fsdp = dims.dp_shard * dims.cp
+        if ".experts." in name:
+            ways = fsdp * dims.tp
+        elif dims.tp > 1 and name.endswith(TP_SHARDED) and ".experts." not in name:
+            ways = fsdp * dims.tp
+        else:
+            ways = fsdp
+        expected += p.numel() * p.element_size() / ways
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"local": local, "expected": expected, "total": total}
 
 
 def worker_main(names: list[str], out_dir: str) -> None:
@@ -211,6 +234,20 @@ def test_layout_matches_single_process(name, layout_results, references):
     # the run really trained: the biases moved and the loss changed
     assert any(abs(b) > 0 for layer in ref["expert_bias"][-1] for b in layer)
     assert ref["loss"][0] != ref["loss"][-1]
+
+
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if LAYOUTS[n][0] > 1])
+def test_sharded_memory(name, layout_results):
+    """Issue point 8: per-rank parameter and AdamW-state bytes are within 10% of total / N plus the
+    replicated remainder (measured from the local shards of rank 0)."""
+    mem = layout_results[name]["memory"]
+    assert abs(mem["local"] - mem["expected"]) <= 0.10 * mem["expected"], mem
+    # AdamW keeps two fp32 moments per local parameter value
+    assert abs(mem["optimizer"] - 2 * mem["local"]) <= 0.10 * 2 * mem["local"], mem
+    assert mem["local"] < mem["total"]
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def test_apply_is_idempotent_and_removable():
     apply_recompute(model, rc, None)
     first = model.layers[0].forward
     apply_recompute(model, rc, None)  # configure_model may run twice
-    assert model.layers[0].forward is first and first.forward.__self__ is model.layers[0]
+    assert model.layers[0].forward is first and first.call.module is model.layers[0]
     with pytest.raises(RuntimeError, match="different recompute"):
         apply_recompute(model, RecomputeConfig(mode="full", full_recompute_layer=[0]), None)
     remove_recompute(model)
@@ -490,6 +490,10 @@ def test_fsdp_all_gather_virtual_path():
     with pytest.warns(RecomputeWarning, match="nothing_here"):
         apply_recompute(model, None, {"enable": True, "select_module": {FSDP_ALL_GATHER: [1, 3], "nothing_here": [0]}})
     assert [fsdp_reshard_after_forward(b, False) for b in model.blocks()] == [False, True, False, True]
+    # also in a layer that is recomputed whole: re-gathering parameters is independent of that
+    full = make()
+    apply_recompute(full, {"mode": "full", "full_recompute_layer": [1]}, {"enable": True, "select_module": {".*": [1]}})
+    assert [fsdp_reshard_after_forward(b, False) for b in full.blocks()] == [False, True, False, False]
     assert all(fsdp_reshard_after_forward(b, True) for b in model.blocks())
     remove_recompute(model)
     assert not any(fsdp_reshard_after_forward(b, False) for b in model.blocks())
@@ -499,5 +503,106 @@ def test_deepcopy_of_a_recomputed_model_is_independent():
     model = make()
     apply_recompute(model, RecomputeConfig(mode="full", full_recompute_layer=["0-3"]), COMM)
     clone = copy.deepcopy(model)
-    assert clone.layers[0].forward.forward.__self__ is clone.layers[0]
+    assert clone.layers[0].forward.call.module is clone.layers[0]
+    assert clone.layers[0].forward.call.forward.__self__ is clone.layers[0]
     assert_same(step(model, ids()), step(clone, ids()))
+
+
+# ----------------------------------------------------------------------------------------------
+# hooks of the parallel steps (registered before recompute) are recomputed with the forward
+# ----------------------------------------------------------------------------------------------
+def add_local_param_hooks(module, stack):
+    """Like tensor parallel's ``use_local_params``: the forward sees a stand-in for ``weight``
+    (here 2 * weight), swapped in by a pre-hook and swapped back by an always-call post-hook."""
+    def pre(mod, args):
+        stack.append(mod._parameters["weight"])
+        mod._parameters["weight"] = stack[-1] * 2.0
+
+    def post(mod, args, out):
+        mod._parameters["weight"] = stack.pop()
+
+    module.register_forward_pre_hook(pre)
+    return module.register_forward_hook(post, always_call=True)
+
+
+@pytest.mark.parametrize("target", ["self_attention.q_proj", "self_attention"])
+def test_hooks_present_at_apply_time_are_recomputed_with_the_forward(target):
+    batch = ids()
+
+    def hooked(model):
+        stack = []
+        add_local_param_hooks(model.layers[1].self_attention.q_proj, stack)
+        return stack
+
+    ref_model = make()
+    hooked(ref_model)
+    ref = step(ref_model, batch)
+    model = make()
+    stack = hooked(model)
+    apply_recompute(model, {"mode": "select", "select_module": {target: [1]}}, None)
+    q = model.layers[1].self_attention.q_proj
+    assert target != "self_attention.q_proj" or not q._forward_pre_hooks  # moved into the wrapper
+    assert_same(ref, step(model, batch))
+    assert stack == [] and isinstance(q._parameters["weight"], nn.Parameter)
+    remove_recompute(model)
+    assert len(q._forward_pre_hooks) == 1 and len(q._forward_hooks) == 1 and q._forward_hooks_always_called
+    assert_same(ref, step(model, batch))
+
+
+def test_hooks_added_after_apply_stay_outside_and_would_be_wrong_inside():
+    """The reason hooks are captured: a parameter-swapping hook left outside the recomputed region
+    is not re-run by the recompute, and the gradients come out wrong."""
+    batch = ids()
+    ref_model = make()
+    add_local_param_hooks(ref_model.layers[1].self_attention.q_proj, [])
+    ref = step(ref_model, batch)
+    model = make()
+    apply_recompute(model, {"mode": "select", "select_module": {"self_attention.q_proj": [1]}}, None)
+    add_local_param_hooks(model.layers[1].self_attention.q_proj, [])  # after: outside the region
+    got = step(model, batch)
+    # the recomputed linear sees the restored weight, not the stand-in: the input gradient is half
+    name = "layers.1.input_layernorm.weight"
+    assert not torch.allclose(got[1][name], ref[1][name])
+
+
+def test_always_call_hooks_close_on_early_stop_of_a_recompute():
+    """Non-reentrant checkpoint stops a recompute once it has every saved tensor (by raising inside
+    the forward); post-hooks marked always_call must still run, as nn.Module.__call__ does."""
+    model = make()
+    opened = []
+
+    def pre(mod, args):
+        opened.append(1)
+
+    def post(mod, args, out):
+        opened.pop()
+
+    # the MTP layer's dense-free MoE: its last ops save nothing the backward needs last
+    for block in model.blocks():
+        block.mlp.register_forward_pre_hook(pre)
+        block.mlp.register_forward_hook(post, always_call=True)
+    apply_recompute(model, {"mode": "select", "select_module": {"mlp": ["0-3"]}}, None)
+    step(model, ids())
+    assert opened == []
+
+
+def test_output_recompute_replays_random_numbers():
+    """A recomputed call that draws random numbers (dropout) gets the same ones again in backward."""
+    def noisy_gather(x):
+        return nn.functional.dropout(fake_all_gather(x), 0.5, training=True)
+
+    def run(recompute_comm, preserve=True):
+        model = make()
+        for layer in model.blocks():
+            layer.self_attention.all_gather = noisy_gather
+        apply_recompute(model, None, recompute_comm)
+        if not preserve:  # what would happen without the replay
+            for layer in model.blocks():
+                layer.self_attention.all_gather.preserve_rng_state = False
+        torch.manual_seed(3)
+        return step(model, ids())
+
+    ref = run(None)
+    assert_same(ref, run(COMM))
+    wrong = run(COMM, preserve=False)[1]["layers.0.self_attention.q_proj.weight"]
+    assert not torch.equal(wrong, ref[1]["layers.0.self_attention.q_proj.weight"])

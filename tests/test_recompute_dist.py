@@ -15,6 +15,14 @@ from torch import nn
 WORLD = 2
 
 
+CALLS = {"n": 0}
+
+
+def counted(fn, *args, **kwargs):
+    CALLS["n"] += 1
+    return fn(*args, **kwargs)
+
+
 class SPAttention(nn.Module):
     """Sequence-parallel in, sequence-parallel out: gather the sequence, column matmul, row matmul,
     reduce-scatter the sequence (Megatron SP), with the collectives as addressable callables."""
@@ -25,11 +33,12 @@ class SPAttention(nn.Module):
 
         self.q_proj = nn.Linear(h, 2 * h // WORLD, bias=False)  # local column shard
         self.o_proj = nn.Linear(2 * h // WORLD, h, bias=False)  # local row shard
-        self.all_gather = functools.partial(comm.all_gather, group=group, dim=1)
+        self.all_gather = functools.partial(counted, comm.all_gather, group=group, dim=1)
         self.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
 
     def forward(self, x):
-        return self.reduce_scatter(self.o_proj(torch.tanh(self.q_proj(self.all_gather(x)))))
+        # gelu saves its input, q_proj's output
+        return self.reduce_scatter(self.o_proj(torch.nn.functional.gelu(self.q_proj(self.all_gather(x)))))
 
 
 class Layer(nn.Module):
@@ -64,14 +73,7 @@ def worker(rank: int, port: str):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    calls = {"n": 0}
-    real = dist.all_gather_into_tensor
-
-    def counting(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    dist.all_gather_into_tensor = counting
+    calls = CALLS  # calls of the gather functions (each call is one collective on the 2 ranks)
     b, s_local, h = 2, 8, 16
     x = torch.randn(b, s_local, h, generator=torch.Generator().manual_seed(rank))
 
@@ -89,10 +91,90 @@ def worker(rank: int, port: str):
     assert torch.equal(loss, loss_ref)
     for k in grads_ref:
         assert torch.equal(grads[k], grads_ref[k]), k
-    # forward gathers once per layer; backward's reduce-scatter of the gather is not an all-gather,
-    # but the reduce-scatter's backward is: 3 layers x (gather fwd + gather in reduce_scatter's bwd)
-    assert n_ref == 3 + 3, n_ref
-    assert n == n_ref + 3, n  # plus one re-gather per layer for q_proj's weight gradient
+    assert n_ref == 3, n_ref  # one gather per layer in forward
+    assert n == 6, n  # plus one re-gather per layer in backward, for q_proj's weight gradient
+
+    # the same with DTensors: a redistribute Shard(seq) -> Replicate is the all-gather, and the
+    # consumer is a DTensor op, so what it saves (and what backward gets back) is a DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def gather_dt(t):
+        calls["n"] += 1  # DTensor redistributes with functional collectives: count the calls here
+        return t.redistribute(mesh, [Replicate()])
+
+    class DTLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(7)  # replicated weight: the same on both ranks
+            self.w = nn.Parameter(DTensor.from_local(torch.randn(h, h) * 0.3, mesh, [Replicate()]))
+            self.all_gather = gather_dt
+
+        def forward(self, t):
+            return torch.tanh(self.all_gather(t) @ self.w).redistribute(mesh, [Shard(1)])
+
+    class DTModel(Model):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.layers = nn.ModuleList(DTLayer() for _ in range(3))
+
+        def forward(self, t):
+            for layer in self.layers:
+                t = t + layer(t)
+            return t.to_local().pow(2).mean()
+
+    def run_dt(recompute_comm):
+        model = DTModel()
+        apply_recompute(model, None, recompute_comm)
+        calls["n"] = 0
+        xin = DTensor.from_local(x.clone(), mesh, [Shard(1)]).requires_grad_()
+        loss = model(xin)
+        loss.backward()
+        return loss.detach(), {n: p.grad.to_local() for n, p in model.named_parameters()}, calls["n"]
+
+    loss_ref, grads_ref, n_ref = run_dt(None)
+    loss, grads, n = run_dt({"enable": True, "select_module": {"all_gather": ["0-2"]}})
+    assert torch.equal(loss, loss_ref)
+    for k in grads_ref:
+        assert torch.equal(grads[k], grads_ref[k]), k
+    assert (n_ref, n) == (3, 6), (n_ref, n)  # the replicated activation is gathered again in backward
+
+    # FSDP2 after recompute (the parallelize order): its hooks stay outside the recomputed region,
+    # parameters are gathered again for the recompute in backward, gradients are unchanged
+    from torch.distributed.fsdp import fully_shard
+
+    def run_fsdp(recompute, recompute_comm, shard_inner=False):
+        torch.manual_seed(100)  # same full weights on both ranks; FSDP shards them
+        model = Model(h, group)
+        for layer in model.layers:  # plain replicated layers here: no tensor parallel collectives
+            layer.self_attention.all_gather = lambda t: t
+            layer.self_attention.reduce_scatter = lambda t: t
+        apply_recompute(model, recompute, recompute_comm)
+        for layer in model.layers:
+            if shard_inner:
+                fully_shard(layer.self_attention.q_proj, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh)
+        loss = model(x.clone().requires_grad_())
+        loss.backward()
+        return loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    loss_ref, grads_ref = run_fsdp(None, None)
+    for rc, rcc in ((None, {"enable": True, "select_module": {r"self_attention\.all_gather": ["0-2"]}}),
+                    ({"mode": "full", "full_recompute_layer": ["0-2"]}, None),
+                    ({"mode": "select", "select_module": {"self_attention": ["0-2"]}}, None)):
+        loss, grads = run_fsdp(rc, rcc, shard_inner=rc is not None and rc["mode"] == "select")
+        assert torch.equal(loss, loss_ref), (rc, rcc)
+        for k in grads_ref:
+            assert torch.equal(grads[k], grads_ref[k]), (k, rc, rcc)
+    try:
+        run_fsdp(None, {"enable": True, "select_module": {r"self_attention\.q_proj": ["0-2"]}}, shard_inner=True)
+    except RuntimeError as e:
+        assert "sharded by FSDP on its own" in str(e), e
+    else:
+        raise AssertionError("output recompute of an FSDP-sharded module must fail clearly")
     dist.destroy_process_group()
 
 

@@ -82,7 +82,8 @@ class IterationCheckpoint(Callback):
 
         install_loader(trainer.strategy, self)
         if self.cfg.enable_save and self._comm is None:
-            self._comm = Comm.create()  # collective: every rank runs setup
+            # collective: every rank runs setup; ModelParallelStrategy keeps the run's timeout in _timeout
+            self._comm = Comm.create(getattr(trainer.strategy, "_timeout", None))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.pending_rng is not None:

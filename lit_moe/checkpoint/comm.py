@@ -25,11 +25,13 @@ class Comm:
         self.world = dist.get_world_size() if dist_ready() else 1
 
     @classmethod
-    def create(cls) -> "Comm":
-        """A communicator on a new gloo group over all ranks (collective: every rank must call it)."""
+    def create(cls, timeout: Any = None) -> "Comm":
+        """A communicator on a new gloo group over all ranks (collective: every rank must call it).
+        ``timeout`` (a ``timedelta``): how long a rank waits for the others (the run's collective
+        timeout, so that a dead rank ends a save with an error rather than a hang)."""
         if not (dist_ready() and dist.get_world_size() > 1):
             return cls(None)
-        return cls(dist.new_group(backend="gloo"))
+        return cls(dist.new_group(backend="gloo", timeout=timeout))
 
     def barrier(self) -> None:
         if self.enabled:

@@ -221,11 +221,16 @@ def _commit(job: SaveJob, tmp: Path, final: Path, files: dict) -> None:
         job.on_committed(job.step)
 
 
+def _body_crc(body: dict) -> int:
+    # json.loads keeps the key order and floats round-trip exactly, so re-serialising what was read
+    # reproduces the text that was checksummed
+    return zlib.crc32(json.dumps(body, allow_nan=True).encode())
+
+
 def dump_common(common: dict) -> str:
-    """JSON with a CRC-32 of its own canonical body, so a damaged file is detected."""
+    """JSON with a CRC-32 of its own body, so a damaged file is detected."""
     body = {k: v for k, v in common.items() if k != "crc32"}
-    text = json.dumps(body, sort_keys=True, allow_nan=True)
-    return json.dumps({**body, "crc32": zlib.crc32(text.encode())}, sort_keys=True, indent=1, allow_nan=True)
+    return json.dumps({**body, "crc32": _body_crc(body)}, indent=1, allow_nan=True)
 
 
 def make_common(step: int, world: int, prefix: Optional[str], has_optimizer: bool, *, trainer_state: Any = None,
@@ -269,7 +274,7 @@ class IterationReader:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CheckpointError(f"not a lit_moe checkpoint: {common_path} has no format {FORMAT!r}")
         body = {k: v for k, v in raw.items() if k != "crc32"}
-        if raw.get("crc32") != zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode()):
+        if raw.get("crc32") != _body_crc(body):
             raise CheckpointError(f"checkpoint file corrupted: {common_path} fails its CRC-32 check")
         if int(raw.get("version", 0)) > FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {self.path} has format version {raw['version']}; this lit_moe reads "

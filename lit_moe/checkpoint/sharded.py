@@ -122,7 +122,7 @@ def write_pieces(path: Path, pieces: Mapping[str, Piece], extra: Optional[dict] 
     tensors = {}
     geometry = {}
     for key, p in pieces.items():
-        if p.local.numel() == 0 and p.local.dim() > 0:
+        if p.local.numel() == 0 and math.prod(p.global_shape) > 0:
             continue  # an empty shard (uneven sharding) carries nothing
         tensors[key] = p.local.detach().to("cpu").contiguous()
         geometry[key] = {"offsets": list(p.offsets), "global_shape": list(p.global_shape)}

@@ -196,8 +196,11 @@ def _parse_cpulist(text: str) -> set[int]:
     return cpus
 
 
-def numa_cpus(device: Optional[torch.device]) -> tuple[Optional[set[int]], str]:
-    """(CPUs of the NUMA node of ``device``, or None with the reason)."""
+def numa_cpus(device: Optional[torch.device], sysfs: str = "/sys") -> tuple[Optional[set[int]], str]:
+    """(CPUs of the NUMA node of ``device`` that this process may use, or None with the reason).
+
+    Looks the device's PCI address up in sysfs, as ``torch.numa`` does; a node of −1 (single-node
+    machines) is node 0."""
     if not sys.platform.startswith("linux"):
         return None, f"NUMA binding is only done on Linux (this is {sys.platform})"
     if device is None or device.type != "cuda":
@@ -205,19 +208,32 @@ def numa_cpus(device: Optional[torch.device]) -> tuple[Optional[set[int]], str]:
     try:
         props = torch.cuda.get_device_properties(device.index or 0)
         bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            node = int(f.read().strip())
-        if node < 0:
-            return None, f"the system reports no NUMA node for {device} ({bus})"
-        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+        with open(os.path.join(sysfs, "bus/pci/devices", bus, "numa_node")) as f:
+            node = max(int(f.read().strip()), 0)
+        with open(os.path.join(sysfs, f"devices/system/node/node{node}/cpulist")) as f:
             cpus = _parse_cpulist(f.read())
-    except (AttributeError, OSError, ValueError) as err:
+    except (AttributeError, OSError, ValueError, RuntimeError, AssertionError) as err:
         return None, f"cannot find the NUMA node of {device} ({err})"
-    allowed = os.sched_getaffinity(0)
-    cpus &= allowed
+    cpus &= os.sched_getaffinity(0)
     if not cpus:
-        return None, f"none of the CPUs of the NUMA node of {device} are available to this process"
+        return None, f"none of the CPUs of NUMA node {node} ({device}) are available to this process"
     return cpus, ""
+
+
+class _WorkerInit:
+    """Seeds a data worker (from ``training.seed``, the rank and the worker id) and binds it to the
+    NUMA CPUs; a class, not a closure, so spawned workers can unpickle it."""
+
+    def __init__(self, seed: int, rank: int, cpus: Optional[set[int]]) -> None:
+        self.seed, self.rank, self.cpus = seed, rank, cpus
+
+    def __call__(self, worker_id: int = 0) -> None:
+        s = (self.seed + 1000 * self.rank + worker_id) % (1 << 32)
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
 
 def available_cpus() -> int:
@@ -316,17 +332,7 @@ class MegatronDataModule(LightningDataModule):
             cpus, why = numa_cpus(self._device())
             if cpus is None:
                 warnings.warn(f"train_dataset.numa_enable: {why}; data workers are not bound", stacklevel=2)
-        seed = self.seed
-        rank = self.dp_rank
-
-        def init(worker_id: int = 0) -> None:
-            s = (seed + 1000 * rank + worker_id) % (1 << 32)
-            random.seed(s)
-            np.random.seed(s)
-            torch.manual_seed(s)
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
+        init = _WorkerInit(self.seed, self.dp_rank, cpus)
         return workers, init, cpus
 
     def train_dataloader(self):

@@ -18,7 +18,6 @@ the token prefix sums, which gives the same array (1M documents in well under a 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import warnings
@@ -168,6 +167,8 @@ class GPTDatasetConfig:
                 raise ConfigError(f"{F}.{key}: expected a list [weight, prefix, …] or [prefix, …], got {v!r}")
             if isinstance(v, str):
                 section[key] = [v]
+            elif v is not None and len(v) == 0:
+                raise ConfigError(f"{F}.{key}: empty list; remove the key for mock data")
         split = section.get("split")
         if split is not None:
             if isinstance(split, (list, tuple)):
@@ -183,8 +184,14 @@ class GPTDatasetConfig:
         if section.get("data_path") and section.get("split") is None:
             raise ConfigError(f"{F}.split: required with data_path (e.g. \"1, 0, 0\")")
         cfg = cls(**section)
-        if cfg.create_compressed_eod_mask and cfg.eod_pad_length <= 0:
-            raise ConfigError(f"{F}.eod_pad_length: must be > 0")
+        uses_eod = [k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask",
+                                "create_compressed_eod_mask") if getattr(cfg, k)]
+        if uses_eod and cfg.eod < 0:
+            warnings.warn(f"{F}.eod is {cfg.eod}: no token ends a document, so {', '.join(uses_eod)} "
+                          f"have no effect; set eod to the tokenizer's end-of-document id", stacklevel=3)
+        if cfg.pad >= 0 and cfg.pad == cfg.eod:
+            warnings.warn(f"{F}.pad equals eod ({cfg.eod}): every EOD label would be masked from the loss "
+                          f"and replaced by 0; use pad: -1", stacklevel=3)
         return cfg
 
     @property

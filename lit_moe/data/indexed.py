@@ -102,8 +102,9 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for path in (ipath, bpath):
             if not os.path.isfile(path):
+                hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
                 raise DatasetError(f"{path}: file not found (indexed dataset prefix {prefix!r} needs "
-                                   f"both {os.path.basename(ipath)} and {os.path.basename(bpath)})")
+                                   f"both {os.path.basename(ipath)} and {os.path.basename(bpath)}){hint}")
         idx_size = os.path.getsize(ipath)
         with open(ipath, "rb") as f:
             header = f.read(HEADER_SIZE)
@@ -280,20 +281,8 @@ class IndexedDatasetBuilder:
         """Write the index and move both files into place."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        if len(lengths) > 1:
-            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_index = np.asarray(self._doc_ends, dtype=np.int64)
         tmp_idx = idx_path(self.prefix) + f".tmp{os.getpid()}"
-        with open(tmp_idx, "wb") as f:
-            f.write(INDEX_MAGIC)
-            f.write(struct.pack("<Q", INDEX_VERSION))
-            f.write(struct.pack("<B", self._code))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(doc_index)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(doc_index.astype("<i8").tobytes())
+        write_index(tmp_idx, self.dtype, lengths, np.asarray(self._doc_ends, dtype=np.int64))
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
 
@@ -304,6 +293,25 @@ class IndexedDatasetBuilder:
         finally:
             if os.path.exists(self._tmp_bin):
                 os.remove(self._tmp_bin)
+
+
+def write_index(path: str, dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:
+    """Write an ``.idx`` for sequences of ``sequence_lengths`` tokens of ``dtype`` stored back to back."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    doc_index = np.asarray(document_indices, dtype=np.int64)
+    with open(path, "wb") as f:
+        f.write(INDEX_MAGIC)
+        f.write(struct.pack("<Q", INDEX_VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(doc_index)))
+        f.write(lengths.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(doc_index.astype("<i8").tobytes())
 
 
 def write_indexed_dataset(prefix: str, documents: Iterable[Union[np.ndarray, list]], dtype=np.int32) -> str:

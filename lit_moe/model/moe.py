@@ -170,7 +170,10 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
         ok = hasattr(F, "grouped_mm") and device.type != "meta"
         if ok:
             try:
-                with torch.inference_mode(False), torch.enable_grad():
+                # identity saved-tensor hooks: an activation-checkpoint region around the first call
+                # must not see the probe's tensors (the recompute would not save them again)
+                with torch.inference_mode(False), torch.enable_grad(), \
+                        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     a = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
                     b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
                     offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
@@ -341,7 +344,7 @@ class MoE(nn.Module):
             self.dropped_assignments += assignments - kept
             self.total_assignments += assignments
             self.last_stats = {"tokens_per_expert": kept_counts, "dropped": assignments - kept,
-                               "assignments": torch.tensor(float(assignments))}
+                               "assignments": torch.tensor(float(assignments), device=kept.device)}
 
     def reset_drop_counters(self) -> None:
         self.dropped_assignments.zero_()

@@ -20,7 +20,7 @@ from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.moe import MLP, MoE, GroupedExperts, Router
+from lit_moe.model.moe import MLP, MoE
 from lit_moe.model.mtp import MTPLayer
 from lit_moe.ops import LayerNorm, Linear, RMSNorm, build_norm
 
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
 def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(CE * mask) / sum(mask) in fp32 (0 when the mask is empty)."""
     mask = mask.to(torch.float32)
-    labels = torch.where(mask > 0, labels, 0)   # masked labels may be pads (-1, -100): never indexed
+    labels = torch.where(mask > 0, labels, 0).long()   # masked labels may be pads (-1, -100): never indexed
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
 
@@ -250,7 +250,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 def _normal_by_name(p: torch.Tensor, std: float, seed: int) -> None:
     """Fill ``p`` with N(0, std) drawn by a CPU generator seeded with ``seed`` (full tensor for DTensors)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    full = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
     if hasattr(p, "device_mesh"):   # DTensor: keep this rank's shard of the full tensor
         from torch.distributed.tensor import distribute_tensor
         local = distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements,
@@ -260,5 +260,4 @@ def _normal_by_name(p: torch.Tensor, std: float, seed: int) -> None:
         p.copy_(full)
 
 
-__all__ = ["CausalLMOutput", "DecoderLayer", "DeepseekV3ForCausalLM", "GroupedExperts", "MLP", "MoE",
-           "Router", "canonical_name", "masked_cross_entropy"]
+__all__ = ["CausalLMOutput", "DecoderLayer", "DeepseekV3ForCausalLM", "canonical_name", "masked_cross_entropy"]

@@ -18,6 +18,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+try:  # FSDP2 over an already sharded dimension (experts: ep Shard(0), then FSDP) gives _StridedShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    _SHARDS: tuple = (Shard, _StridedShard)
+except ImportError:  # pragma: no cover
+    _SHARDS = (Shard,)
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -33,7 +39,7 @@ def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
                                              for p in grad.placements])
     shards = 1
     for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, _SHARDS):
             shards *= grad.device_mesh.size(dim)
     return grad._local_tensor, shards
 

@@ -17,6 +17,17 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn)
+def _all_gather_single(out: torch.Tensor, src: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, src, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, src: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, src, op=dist.ReduceOp.SUM, group=group)
+
+
 def _size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
@@ -27,8 +38,8 @@ def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor
         return x
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.all_gather_into_tensor(out, src, group=group)
-    return out.movedim(0, dim)
+    _all_gather_single(out, src, group)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -39,8 +50,8 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     if src.shape[0] % n:
         raise ValueError(f"reduce-scatter: size {src.shape[0]} of dim {dim} is not divisible by the group size {n}")
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim)
+    _reduce_scatter_single(out, src, group)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -158,8 +158,9 @@ def _allgather_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
     ep = dist.get_world_size(group)
     me = dist.get_rank(group)
     counts = counts.to(torch.long)
-    all_counts = torch.empty((ep,) + tuple(counts.shape), dtype=counts.dtype, device=counts.device)
-    dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)    # [ep, E]
+    all_counts = torch.empty(ep * counts.numel(), dtype=counts.dtype, device=counts.device)
+    comm._all_gather_single(all_counts, counts.contiguous(), group)
+    all_counts = all_counts.view(ep, counts.numel())                           # [ep, E]
     sizes = all_counts.sum(dim=1)
     n_max = int(sizes.max())
     n = x.shape[0]

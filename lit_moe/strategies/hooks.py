@@ -22,9 +22,11 @@ _STATE = "_lit_moe_hook_state"
 def around_forward(module: nn.Module, before: Callable[[nn.Module, tuple, dict], tuple[tuple, dict, Any]],
                    after: Optional[Callable[[nn.Module, Any, Any], Any]] = None) -> None:
     """Run ``before(module, args, kwargs) -> (args, kwargs, state)`` ahead of ``module.forward`` and
-    ``after(module, output, state) -> output`` behind it. States are kept on a per-module stack so
-    that nested or repeated calls (activation recompute) pair up correctly."""
-    stack: list = module.__dict__.setdefault(_STATE, [])
+    ``after(module, output, state) -> output`` behind it. Several wrappers of one module nest: the
+    first added is the outermost. States are kept on a stack per wrapper so that repeated calls
+    (activation recompute) pair up correctly."""
+    stack: list = []
+    module.__dict__.setdefault(_STATE, []).append(stack)
 
     def pre(mod, args, kwargs):
         args, kwargs, state = before(mod, args, kwargs)
@@ -36,7 +38,9 @@ def around_forward(module: nn.Module, before: Callable[[nn.Module, tuple, dict],
         return after(mod, output, state) if after is not None else output
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    # prepend: wrappers nest (the last one added is the innermost: it runs last before forward and
+    # first after it); FSDP's own post-forward hook, appended later, still runs after all of them
+    module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
 
 
 def transform_output(module: nn.Module, fn: Callable[[Any], Any]) -> None:

@@ -88,7 +88,7 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
 def _fsdp_shard_sizes(model: torch.nn.Module) -> dict[str, int]:
     """How many ways FSDP splits each parameter (to undo it for the unsharded-gradient estimate)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Shard
+    from lit_moe.strategies.clip import _SHARDS
 
     sizes = {}
     for name, p in model.named_parameters():
@@ -98,7 +98,7 @@ def _fsdp_shard_sizes(model: torch.nn.Module) -> dict[str, int]:
         for dim, placement in enumerate(p.placements):
             names = p.device_mesh.mesh_dim_names or ()
             dim_name = names[dim] if dim < len(names) else ""
-            if isinstance(placement, Shard) and dim_name in ("fsdp", "efsdp", "dp_replicate"):
+            if isinstance(placement, _SHARDS) and dim_name in ("fsdp", "efsdp", "dp_replicate"):
                 k *= p.device_mesh.size(dim)
         sizes[name] = k
     return sizes
@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan(config_path: str, world_size: int, out=sys.stdout) -> dict[str, Any]:
+def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
     """Validate and describe the layout; returns the numbers it printed (for tests)."""
+    out = sys.stdout if out is None else out
     import yaml
 
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -176,13 +177,13 @@ def plan(config_path: str, world_size: int, out=sys.stdout) -> dict[str, Any]:
         p(f"  {line}", file=out)
     if dims.ep > 1:
         seed_dp = world_size // (dims.tp * dims.ep) if world_size % (dims.tp * dims.ep) == 0 else None
-        p(f"  note: expert_parallel {dims.ep} does not divide the world size: it is carved out of the "
-          f"{dims.dp_shard * dims.cp * dims.tp} ranks of dp_shard * cp * tp, and data_parallel stays "
-          f"{dims.dp}", file=out)
+        p(f"  note: expert_parallel {dims.ep} is not a separate factor of the world size: it is carved out of "
+          f"the dp_shard * cp * tp = {dims.dp_shard * dims.cp * dims.tp} ranks, and data_parallel stays {dims.dp}",
+          file=out)
         if seed_dp is not None:
-            p(f"        (the seed's table, world = tp x ep x dp, would call this layout data_parallel "
-              f"{seed_dp}; lit_moe uses data_parallel {dims.dp} = world_size / (tp * pp * cp), as "
-              "MindFormers' code does)", file=out)
+            p(f"        (the seed's 8-card table, world = tp x ep x dp, would call this layout data_parallel "
+              f"{seed_dp}; lit_moe follows MindFormers' code: data_parallel = world_size / (tp * pp * cp) = "
+              f"{dims.dp})", file=out)
     p(f"  sharding strategy {parallelism.data_parallel_shard_strategy} "
       f"({'ZeRO-3: parameters resharded after forward' if parallelism.data_parallel_shard_strategy == 'optim_grads_params' else 'ZeRO-2: parameters kept gathered until backward'})",
       file=out)

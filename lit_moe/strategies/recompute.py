@@ -22,8 +22,10 @@ layers ``L..L+M-1``. Paths are dotted module paths inside one such layer (``self
 attribute (``mlp.router.all_gather``). A regex must match a path fully (``re.fullmatch``).
 
 Order of application (TorchTitan): tensor/expert/context parallel first (so that their
-communication functions exist and can be matched), then this, then FSDP (whose hooks must stay
-outside the recomputed region: they gather the parameters before the recompute in backward).
+communication functions exist and can be matched), then this, then FSDP. Forward hooks a wrapped
+module already has (the parallel steps': parameter shards, sequence gathers) are moved inside the
+recomputed region and re-run with it; FSDP's hooks, added later, stay outside (they gather the
+parameters before the recompute in backward).
 Unlike MindFormers, which ignores these sections on one device, recompute works on one device.
 """
 
@@ -40,7 +42,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig, parse_layer_specs
 
@@ -168,7 +170,8 @@ def validate_recompute(recompute: RecomputeConfig | dict | None, recompute_comm:
 # ----------------------------------------------------------------------------------------------
 def _callable_attributes(module: nn.Module) -> Iterable[tuple[str, Callable]]:
     """Public instance attributes holding plain callables (functions, partials, bound methods, our
-    wrappers): the hooks for communication ops. Sub-modules, classes and ``forward`` are excluded."""
+    wrappers): how the parallel steps expose their communication ops. Sub-modules, classes and
+    ``forward`` are excluded."""
     for name, value in vars(module).items():
         if name.startswith("_") or name == "forward":
             continue
@@ -217,25 +220,110 @@ def _drop_children(paths: list[str], order: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# what a wrapper runs: the module's forward plus the hooks it had when recompute was applied
+# ----------------------------------------------------------------------------------------------
+class _ModuleCall:
+    """A module's original ``forward`` together with the forward hooks it had when recompute was
+    applied (those of tensor/expert/context parallelism), which are moved off the module and run
+    here, in the same order and with the same semantics as ``nn.Module.__call__``. So they are
+    inside the recomputed region and a recompute re-runs them with the forward: a hook that swaps
+    in local parameter shards or gathers the sequence runs again before the recomputed forward,
+    as it did before the original one. Hooks added later (FSDP's) stay on the module, outside,
+    as with TorchTitan's checkpoint wrapper applied between parallelisation and FSDP."""
+
+    def __init__(self, module: nn.Module, forward: Callable):
+        self.module, self.forward = module, forward
+        self.pre = [(hid, hook, hid in module._forward_pre_hooks_with_kwargs)
+                    for hid, hook in module._forward_pre_hooks.items()]
+        self.post = [(hid, hook, hid in module._forward_hooks_with_kwargs, hid in module._forward_hooks_always_called)
+                     for hid, hook in module._forward_hooks.items()]
+        for hid, *_ in self.pre:
+            module._forward_pre_hooks.pop(hid)
+            module._forward_pre_hooks_with_kwargs.pop(hid, None)
+        for hid, *_ in self.post:
+            module._forward_hooks.pop(hid)
+            module._forward_hooks_with_kwargs.pop(hid, None)
+            module._forward_hooks_always_called.pop(hid, None)
+
+    def restore(self) -> None:
+        """Put the hooks back on the module, ahead of any added since (dicts mutated in place, so
+        that the hooks' removable handles keep working)."""
+        m = self.module
+        for hooks, mine in ((m._forward_pre_hooks, [(hid, hook) for hid, hook, _ in self.pre]),
+                            (m._forward_hooks, [(hid, hook) for hid, hook, _, _ in self.post])):
+            later = list(hooks.items())
+            hooks.clear()
+            hooks.update(mine + later)
+        m._forward_pre_hooks_with_kwargs.update({hid: True for hid, _, kw in self.pre if kw})
+        m._forward_hooks_with_kwargs.update({hid: True for hid, _, kw, _ in self.post if kw})
+        m._forward_hooks_always_called.update({hid: True for hid, _, _, always in self.post if always})
+
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        for _, hook, with_kwargs in self.pre:
+            if with_kwargs:
+                res = hook(m, args, kwargs)
+                if res is not None:
+                    args, kwargs = res
+            else:
+                res = hook(m, args)
+                if res is not None:
+                    args = res if isinstance(res, tuple) else (res,)
+        result, called = None, set()
+        try:
+            result = self.forward(*args, **kwargs)
+            for hid, hook, with_kwargs, _ in self.post:
+                called.add(hid)
+                res = hook(m, args, kwargs, result) if with_kwargs else hook(m, args, result)
+                if res is not None:
+                    result = res
+            return result
+        except Exception:
+            # like nn.Module.__call__: always-call hooks run on errors too (this includes the
+            # checkpoint's early stop of a recompute), their own errors giving way to the first
+            for hid, hook, with_kwargs, always in self.post:
+                if always and hid not in called:
+                    try:
+                        hook(m, args, kwargs, result) if with_kwargs else hook(m, args, result)
+                    except Exception:
+                        pass
+            raise
+
+
+# ----------------------------------------------------------------------------------------------
 # wrapper 1: checkpoint a forward (whole layer, selected module)
 # ----------------------------------------------------------------------------------------------
 class _CheckpointedForward:
     """Stands in for ``module.forward`` (an instance attribute shadows the class method, so the
-    module, its hooks and its parameter names stay as they are): runs the original forward under
+    module and its parameter names stay as they are): runs the :class:`_ModuleCall` under
     non-reentrant activation checkpointing. Routing counts and losses written by the model are
     not repeated by the recompute because the model counts only outside the autograd engine."""
 
-    def __init__(self, forward: Callable, path: str):
-        self.forward = forward
+    def __init__(self, call: Callable, path: str, preserve_rng_state: bool = True):
+        self.call = call
         self.path = path
+        self.preserve_rng_state = preserve_rng_state
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+            return self.call(*args, **kwargs)
+        return checkpoint(self.call, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, **kwargs)
 
     def __repr__(self) -> str:
         return f"CheckpointedForward({self.path})"
+
+
+def _draws_random_numbers(model: nn.Module) -> bool:
+    """Whether a forward can draw random numbers (dropout), so that a recompute must replay the RNG
+    state of the forward. Saving and restoring it costs time at every checkpoint, so it is skipped
+    only when the model says it has no dropout; a model without ``config`` is assumed to have some."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    if config is None:
+        return True
+    return any((getattr(config, name, 0) or 0) > 0 for name in ("attention_dropout", "hidden_dropout"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,12 +375,14 @@ class _Recompute:
     """One call whose outputs were not kept: the callable, its inputs (kept, detached) and the
     autocast state, enough to produce the same outputs again in backward."""
 
-    def __init__(self, fn: Callable, path: str, args: tuple, kwargs: dict, outputs: list[torch.Tensor]):
+    def __init__(self, fn: Callable, path: str, args: tuple, kwargs: dict, outputs: list[torch.Tensor],
+                 rng: Optional[tuple] = None):
         self.fn, self.path = fn, path
         self.inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (args, kwargs))
         self.versions = [t._version for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.meta = [(o.shape, o.dtype, o.stride(), o.storage_offset()) for o in outputs]
         self.autocast = _autocast_state(outputs[0].device.type)
+        self.rng = rng  # RNG states from before the call, when the model draws random numbers
         self.cache: Optional[list[torch.Tensor]] = None
         self.pending = 0  # handles not yet unpacked; the recomputed outputs are dropped at 0
 
@@ -302,8 +392,9 @@ class _Recompute:
             if [t._version for t in leaves] != self.versions:
                 raise RuntimeError(f"recompute of {self.path!r}: an input was modified in place after the "
                                    "forward call, its output cannot be recomputed")
+            _check_not_fsdp(self.fn, self.path)
             args, kwargs = self.inputs
-            with torch.no_grad(), _Autocast(self.autocast):
+            with torch.no_grad(), _Autocast(self.autocast), _ReplayRNG(self.rng):
                 out = _contiguous(self.fn(*args, **kwargs))
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
             got = [(o.shape, o.dtype, o.stride(), o.storage_offset()) for o in outs]
@@ -312,6 +403,50 @@ class _Recompute:
                                    f"but {self.meta} in forward: the call must be deterministic")
             self.cache = outs
         return self.cache
+
+
+def _check_not_fsdp(fn: Callable, path: str) -> None:
+    """A module sharded by FSDP on its own (the routed experts, the router) has its parameters
+    gathered only inside its own backward; a consumer's backward, where an output is recomputed,
+    comes before that."""
+    module = getattr(fn, "module", None)
+    if module is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise RuntimeError(f"recompute_comm.select_module: {path!r} is or contains a module sharded by FSDP "
+                           "on its own, whose output cannot be recomputed before its backward; select its "
+                           "communication functions (or use recompute.select_module) instead")
+
+
+def _rng_states(args: Any) -> tuple:
+    """The CPU RNG state and those of the accelerators the inputs live on (before a call)."""
+    devices, states = get_device_states(*pytree.tree_leaves(args))
+    device_type = next((t.device.type for t in pytree.tree_leaves(args)
+                        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")), None)
+    return torch.get_rng_state(), devices, states, device_type
+
+
+class _ReplayRNG:
+    """Inside: the RNG states of the original call (outside, the current ones are kept)."""
+
+    def __init__(self, rng: Optional[tuple]):
+        self.rng = rng
+        self.fork = None
+
+    def __enter__(self):
+        if self.rng is not None:
+            cpu, devices, states, device_type = self.rng
+            self.fork = torch.random.fork_rng(devices=devices, device_type=device_type or "cuda")
+            self.fork.__enter__()
+            torch.set_rng_state(cpu)
+            if devices:
+                set_device_states(devices, states, device_type=device_type)
+
+    def __exit__(self, *exc):
+        if self.fork is not None:
+            self.fork.__exit__(*exc)
 
 
 class _Autocast:
@@ -364,11 +499,11 @@ class _Scope:
     def __init__(self):
         self.entries: list[tuple[tuple, torch.Tensor, _Recompute, int]] = []
 
-    def record(self, fn: Callable, path: str, args: tuple, kwargs: dict, out: Any) -> None:
+    def record(self, fn: Callable, path: str, args: tuple, kwargs: dict, out: Any, rng: Optional[tuple]) -> None:
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         if not outs:
             return
-        rec = _Recompute(fn, path, args, kwargs, outs)
+        rec = _Recompute(fn, path, args, kwargs, outs, rng)
         for i, o in enumerate(outs):
             key = _storage_key(o)
             if key is not None:
@@ -394,16 +529,18 @@ class _OutputRecomputed:
     records its outputs with the enclosing layer's :class:`_Scope`, so they are recomputed in
     backward instead of kept. Outside a scope (or without grad) it is the plain call."""
 
-    def __init__(self, fn: Callable, path: str):
+    def __init__(self, fn: Callable, path: str, preserve_rng_state: bool = True):
         self.fn = fn
         self.path = path
+        self.preserve_rng_state = preserve_rng_state
 
     def __call__(self, *args, **kwargs):
-        out = self.fn(*args, **kwargs)
         scopes = _scopes()
-        if scopes and torch.is_grad_enabled():
-            out = _contiguous(out)
-            scopes[-1].record(self.fn, self.path, args, kwargs, out)
+        if not (scopes and torch.is_grad_enabled()):
+            return self.fn(*args, **kwargs)
+        rng = _rng_states((args, kwargs)) if self.preserve_rng_state else None
+        out = _contiguous(self.fn(*args, **kwargs))
+        scopes[-1].record(self.fn, self.path, args, kwargs, out, rng)
         return out
 
     def __repr__(self) -> str:
@@ -414,18 +551,18 @@ class _ScopedForward:
     """Stands in for a layer's ``forward``: opens the :class:`_Scope` its output-recomputed calls
     report to, and installs the scope's pack hook for the layer's forward."""
 
-    def __init__(self, forward: Callable, path: str):
-        self.forward = forward
+    def __init__(self, call: Callable, path: str):
+        self.call = call
         self.path = path
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
+            return self.call(*args, **kwargs)
         scope = _Scope()
         _scopes().append(scope)
         try:
             with torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack):
-                return self.forward(*args, **kwargs)
+                return self.call(*args, **kwargs)
         finally:
             _scopes().pop()
             scope.entries.clear()
@@ -440,15 +577,17 @@ class _ScopedForward:
 _APPLIED = "_lit_moe_recompute"  # model attribute: (plan, undo list)
 
 
-def _wrap_forward(module: nn.Module, wrapper: type, path: str, undo: list) -> None:
+def _wrap_forward(module: nn.Module, wrapper: Callable, path: str, undo: list) -> None:
     undo.append((module, "forward", module.__dict__.get("forward")))
-    module.forward = wrapper(module.forward, path)
+    call = _ModuleCall(module, module.forward)
+    undo.append((call, None, None))
+    module.forward = wrapper(call, path)
 
 
-def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list) -> None:
+def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list, wrapper: Callable) -> None:
     fn = getattr(owner, attr)
     undo.append((owner, attr, fn))
-    setattr(owner, attr, _OutputRecomputed(fn, path))
+    setattr(owner, attr, wrapper(fn, path))
 
 
 def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
@@ -469,6 +608,14 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
         raise RuntimeError("apply_recompute: the model already has a different recompute applied; "
                            "call remove_recompute(model) first")
     undo: list = []
+    rng = _draws_random_numbers(model)
+
+    def make_checkpointed(forward: Callable, path: str) -> _CheckpointedForward:
+        return _CheckpointedForward(forward, path, preserve_rng_state=rng)
+
+    def make_output_recomputed(fn: Callable, path: str) -> _OutputRecomputed:
+        return _OutputRecomputed(fn, path, preserve_rng_state=rng)
+
     matched_select: dict[str, bool] = {p: False for p, _ in plan.select}
     matched_comm: dict[str, bool] = {p: False for p, _ in plan.comm}
     summary: list[str] = []
@@ -477,36 +624,36 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     for layer_id, block in enumerate(blocks):
         paths = addressable_paths(block)
         order = list(paths)
+        fsdp = [p for p, layers in plan.comm if layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER)]
+        if fsdp:  # independent of activation recompute: parameters are re-gathered either way
+            block._lit_moe_reshard_after_forward = True
+            undo.append((block, "_lit_moe_reshard_after_forward", None))
+            matched_comm.update(dict.fromkeys(fsdp, True))
+            fsdp_layers.append(layer_id)
         if layer_id in plan.full_layers:
             _match(plan.select, layer_id, order, matched_select)  # counts as a hit; the layer covers it
             dropped = _match(plan.comm, layer_id, order, matched_comm)
             if dropped:
                 log.info("recompute_comm: layer %d is recomputed whole, %s already recomputed", layer_id, dropped)
-            _wrap_forward(block, _CheckpointedForward, f"layers[{layer_id}]", undo)
+            _wrap_forward(block, make_checkpointed, f"layers[{layer_id}]", undo)
             summary.append(f"{layer_id}: whole layer")
             continue
 
         selected = _drop_children(_match(plan.select, layer_id, order, matched_select), order)
         checkpointed = [p for p in selected if paths[p][1] is None]
-        comm = [p for p in _match(plan.comm, layer_id, order, matched_comm)
+        # communication steps already inside a recomputed region are recomputed with it
+        comm = [p for p in _drop_children(_match(plan.comm, layer_id, order, matched_comm), order)
                 if p not in selected and not _under(p, checkpointed)]
-        comm = [p for p in _drop_children(comm, order) if not _under(p, selected)]
-        if plan.comm and any(re.fullmatch(p, FSDP_ALL_GATHER) for p, layers in plan.comm if layer_id in layers):
-            block._lit_moe_reshard_after_forward = True
-            matched_comm.update({p: True for p, layers in plan.comm
-                                 if layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER)})
-            fsdp_layers.append(layer_id)
-            undo.append((block, "_lit_moe_reshard_after_forward", None))
 
         output_recomputed = [p for p in selected if paths[p][1] is not None] + comm
         for p in checkpointed:
-            _wrap_forward(paths[p][0], _CheckpointedForward, p, undo)
+            _wrap_forward(paths[p][0], make_checkpointed, p, undo)
         for p in output_recomputed:
             module, attr = paths[p]
             if attr is None:
-                _wrap_forward(module, _OutputRecomputed, p, undo)
+                _wrap_forward(module, make_output_recomputed, p, undo)
             else:
-                _wrap_attr(module, attr, p, undo)
+                _wrap_attr(module, attr, p, undo, make_output_recomputed)
         if output_recomputed:
             _wrap_forward(block, _ScopedForward, f"layers[{layer_id}]", undo)
         if checkpointed or output_recomputed:
@@ -533,7 +680,9 @@ def remove_recompute(model: nn.Module) -> None:
     if applied is None:
         return
     for owner, attr, previous in reversed(applied[1]):
-        if previous is None:
+        if isinstance(owner, _ModuleCall):
+            owner.restore()
+        elif previous is None:
             owner.__dict__.pop(attr, None)
         else:
             setattr(owner, attr, previous)

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
 from lit_moe.config import ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grad_norm_ as _clip_grad_norm_
 from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
 
@@ -202,3 +203,7 @@ def register_strategy() -> None:
         description="FSDP2/HSDP + tensor, expert and context parallelism from the parallelism section",
         override=True,
     )
+
+
+register_strategy()
+register_npu_accelerator()

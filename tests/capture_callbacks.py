@@ -1,0 +1,48 @@
+"""Callbacks that tests load through the YAML ``callbacks:`` list (class_path) to observe a run."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from lightning.pytorch import Callback
+from torch.distributed.tensor import DTensor
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+class GradCapture(Callback):
+    """Saves every gradient (as full tensors) seen right before optimizer step ``at_step``."""
+
+    def __init__(self, path: str, at_step: int = 1) -> None:
+        self.path, self.at_step, self._seen = path, at_step, 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._seen += 1
+        if self._seen != self.at_step:
+            return
+        grads = {n: _full(p.grad) for n, p in pl_module.model.named_parameters() if p.grad is not None}
+        if trainer.global_rank == 0:
+            torch.save(grads, self.path)
+
+
+class StepRecorder(Callback):
+    """Writes ``step_metrics`` (loss, lr, grad norm, ...) of every optimizer step as JSON lines."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._last = path, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = pl_module.step_metrics
+        if not m or m.get("step") == self._last:
+            return
+        self._last = m["step"]
+        if trainer.global_rank == 0:
+            row = {k: m[k] for k in ("step", "loss", "lr", "grad_norm", "consumed_samples", "aux_loss",
+                                     "mtp_loss", "skipped")}
+            row["loss_hex"] = float(m["loss"]).hex()
+            row["first_tokens"] = batch["input_ids"][0, :8].tolist()
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")

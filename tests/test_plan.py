@@ -1,0 +1,143 @@
+"""``lit_moe plan --config X --world-size N`` (issue 5, point 6): layouts validated on fake process
+groups without workers or weights; the seed's 8-card table; per-rank bytes from the local shards."""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_moe.model.presets import DEEPSEEK_V3_671B
+from lit_moe.strategies.plan import main, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = yaml.safe_load((ROOT / "configs" / "pynative.yaml").read_text())
+
+# seeds/001 §11.4: (tensor_parallel, expert_parallel, data_parallel as the table counts it)
+SEED_TABLE = [(2, 1, 4), (4, 1, 2), (8, 1, 1), (1, 2, 4), (2, 2, 2)]
+
+
+def _write(tmp_path: Path, cfg: dict, name: str = "plan.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def _seed_cfg(tp: int, ep: int, heads: int = 4, gbs: int = 64) -> dict:
+    cfg = copy.deepcopy(SEED)
+    cfg["parallelism"].update(tensor_parallel=tp, expert_parallel=ep, data_parallel_shard=-1)
+    cfg["training"]["global_batch_size"] = gbs   # the sample's 2 is below data_parallel * local_batch_size
+    cfg["model"]["num_attention_heads"] = heads
+    return cfg
+
+
+def _run(path: str, world: int) -> tuple[dict, str]:
+    out = io.StringIO()
+    result = plan(path, world, out=out)
+    return result, out.getvalue()
+
+
+@pytest.mark.parametrize("tp,ep,table_dp", SEED_TABLE)
+def test_seed_table_rows_are_accepted(tmp_path, tp, ep, table_dp):
+    # tensor_parallel 8 needs 8 heads; the sample model has 4 (see the next test)
+    path = _write(tmp_path, _seed_cfg(tp, ep, heads=8))
+    result, text = _run(path, 8)
+    dims = result["dims"]
+    assert dims.dp == 8 // tp                     # data_parallel = world / (tp * pp * cp)
+    assert f"data_parallel {8 // tp} (= world_size / (tp * pp * cp))" in text
+    assert result["accumulation"] == 64 // (8 // tp)
+    if ep > 1:
+        # the table counts ep as a separate factor; plan says which degree it uses and why
+        assert table_dp == 8 // (tp * ep)
+        assert "carved out of" in text
+        assert f"would call this layout data_parallel {table_dp}" in text
+        assert f"data_parallel stays {8 // tp}" in text
+    else:
+        assert table_dp == dims.dp
+
+
+def test_sample_model_with_four_heads_rejects_tp8(tmp_path, capsys):
+    path = _write(tmp_path, _seed_cfg(8, 1, heads=4))
+    assert main(["--config", path, "--world-size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor_parallel" in err[0] and "num_attention_heads 4" in err[0]
+
+
+def test_sample_as_shipped_is_rejected_for_its_batch(tmp_path, capsys):
+    """The seed's own 8-card sample (TP=2 → data_parallel 4) has global_batch_size 2 < 4 · 1."""
+    assert main(["--config", str(ROOT / "configs" / "pynative.yaml"), "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "global_batch_size" in err and "data_parallel(4)" in err
+
+
+def _expected_local_values(cfg: dict, dims) -> float:
+    """Values rank 0 should hold, from the model's global shapes and the layout rules (experts over
+    dp_shard·cp·tp, tensor-parallel weights over fsdp·tp, the rest over fsdp), without parallelize."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tp_sharded = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "gate_proj.weight",
+                  "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg["model"]))
+    fsdp = dims.dp_shard * dims.cp
+    total = 0.0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            ways = fsdp * dims.tp
+        elif dims.tp > 1 and name.endswith(tp_sharded):
+            ways = fsdp * dims.tp
+        else:
+            ways = fsdp
+        total += p.numel() / ways
+    return total
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,shard", [(8, 2, 1, 2, -1), (16, 2, 2, 4, -1), (16, 1, 1, 4, 4)])
+def test_per_rank_bytes_match_the_layout(tmp_path, world, tp, cp, ep, shard):
+    cfg = _seed_cfg(tp, ep, heads=8, gbs=256)
+    cfg["parallelism"].update(context_parallel=cp, data_parallel_shard=shard)
+    result, text = _run(_write(tmp_path, cfg), world)
+    mem = result["memory"]
+    expected = _expected_local_values(cfg, result["dims"])
+    assert abs(mem["params_numel"] - expected) <= 0.10 * expected, (mem["params_numel"], expected)
+    assert mem["params"] == 4 * mem["params_numel"]            # fp32 master weights
+    assert mem["optimizer"] == 2 * 4 * mem["params_numel"]     # AdamW: two fp32 moments
+    assert "optimizer state (AdamW, fp32)" in text
+
+
+def test_1024_ranks_deepseek_v3_671b(tmp_path):
+    cfg = copy.deepcopy(SEED)
+    cfg["model"] = dict(DEEPSEEK_V3_671B, seq_length=4096, num_nextn_predict_layers=0)
+    cfg["training"].update(global_batch_size=4096, local_batch_size=1)
+    cfg["parallelism"].update(tensor_parallel=8, context_parallel=2, expert_parallel=64, data_parallel_shard=32)
+    result, text = _run(_write(tmp_path, cfg), 1024)
+    dims = result["dims"]
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard, dims.efsdp) == (64, 2, 32, 8)
+    assert result["accumulation"] == 64
+    assert "HSDP (2 replicas x 32-way shards)" in text
+    # 671B parameters, 37B active (the published DeepSeek-V3 numbers)
+    assert 670e9 < result["total"] < 672e9 and 37e9 < result["active"] < 38e9
+    expected = _expected_local_values(cfg, dims)
+    assert abs(result["memory"]["params_numel"] - expected) <= 0.10 * expected
+    assert "training FLOPs per token" in text
+
+
+def test_plan_through_the_cli_and_bad_inputs(tmp_path, capsys):
+    from lit_moe.cli import main as cli_main
+
+    path = _write(tmp_path, _seed_cfg(2, 2, heads=8))
+    assert cli_main(["plan", "--config", path, "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh sparse [dp_replicate=1, efsdp=4, ep=2]" in out
+    assert main(["--config", str(tmp_path / "missing.yaml"), "--world-size", "8"]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    tp4 = _write(tmp_path, _seed_cfg(4, 1, heads=8), "tp4.yaml")
+    assert main(["--config", tp4, "--world-size", "6"]) == 2
+    assert "world_size(6) is not divisible" in capsys.readouterr().err
+    bad = _seed_cfg(2, 3, heads=8)
+    assert main(["--config", _write(tmp_path, bad, "bad.yaml"), "--world-size", "8"]) == 2
+    assert "ep(3)" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""Launching (issue 5, points 4–5): ``lit_moe fit`` under torchrun on 2 CPU processes with the
+``ascend_fsdp`` strategy, and ``--trainer.devices 2`` (Lightning starts the second process itself)
+where one rank dies: the job must end with an error within the process-group timeout, not hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Callback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import ROOT, tiny_config, write_config  # noqa: E402
+
+STEP = re.compile(r"step (\d+)/(\d+) \| loss ([0-9.]+)")
+
+
+class DieOnRankOne(Callback):
+    """At optimizer step ``at`` global rank 1 dies (``exit``: no clean-up, like a crashed host) or
+    stops answering (``hang``: sleeps, like a stuck device)."""
+
+    def __init__(self, at: int = 1, how: str = "exit"):
+        self.at, self.how = at, how
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step >= self.at:
+            if self.how == "hang":
+                time.sleep(3600)
+            os._exit(13)
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_processes_tensor_and_expert_parallel(tmp_path):
+    cfg = tiny_config(tmp_path, steps=2, parallelism={"tensor_parallel": 2, "expert_parallel": 2})
+    cfg["model"]["compute_dtype"] = "float32"
+    path = write_config(tmp_path, cfg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    steps = [m.groups() for m in STEP.finditer(log)]
+    assert [s[0] for s in steps] == ["1", "2"], log[-3000:]
+    assert all(0.0 < float(s[2]) < 20.0 for s in steps)
+
+
+@pytest.mark.timeout(300)
+def test_devices_two_and_a_dead_rank_ends_the_job(tmp_path):
+    cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": 20})
+    cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1}}]
+    path = write_config(tmp_path, cfg)
+    cmd = [sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.devices", "2",
+           "--trainer.accelerator", "cpu"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - start
+    log = proc.stdout + proc.stderr
+    # both processes trained step 1 together (Lightning launched the second one) ...
+    assert "step 1/50" in log, log[-4000:]
+    # ... then rank 1 died and rank 0 stopped with an error instead of waiting forever
+    assert proc.returncode != 0, log[-4000:]
+    assert "step 50/50" not in log
+    assert elapsed < 200
