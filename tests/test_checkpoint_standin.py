@@ -103,7 +103,7 @@ def fit(argv: list[str]) -> list[dict]:
 
         g = torch.Generator().manual_seed(1234)
         for _, p in sorted(model.named_parameters()):
-            full = torch.randn(p.shape, generator=g) * 0.2
+            full = torch.randn(p.shape, generator=g, device="cpu") * 0.2
             with torch.no_grad():
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
 

@@ -109,7 +109,9 @@ def assign_writers(comm: Comm, pieces: Mapping[str, Piece]) -> set[str]:
 # writing
 # ----------------------------------------------------------------------------------------------
 def stage(pieces: Mapping[str, Piece]) -> dict[str, Piece]:
-    """CPU copies of the pieces, safe to write while training goes on (asynchronous save)."""
+    """CPU copies of the pieces, safe to write while training goes on (asynchronous save). Always a
+    copy: even in a sharded state dict offloaded to the CPU, tensors that already lived on the CPU
+    (AdamW's ``step`` counters, updated in place) are the live objects."""
     out = {}
     for key, p in pieces.items():
         local = p.local.detach().to("cpu", copy=True).contiguous()
