@@ -285,9 +285,12 @@ def build_run(cfg: Any) -> Run:
                         weights_loader=load.weights_loader)
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
+    fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
+    if not isinstance(fp32_grads, bool):
+        raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
     run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
                                       recompute_comm=recompute_comm, model_config=model_config,
-                                      timeout=_timeout(parallelism))
+                                      accumulate_allreduce_grads_in_fp32=fp32_grads)
 
     from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
 
@@ -301,12 +304,6 @@ def build_run(cfg: Any) -> Run:
     run.logger = build_logger(monitor)
     run.explicit_trainer_keys = set(_explicit_trainer_keys())
     return run
-
-
-def _timeout(parallelism: ParallelismConfig):
-    from datetime import timedelta
-
-    return timedelta(seconds=parallelism.process_group_timeout_s)
 
 
 def _namespace_to_dict(ns: Any) -> dict:

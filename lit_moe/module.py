@@ -130,10 +130,10 @@ class LitMoE(LightningModule):
         objective = out.loss
         aux = out.aux_loss
         mtp = out.mtp_loss
-        if aux is not None:
+        if aux is not None and self.model.moe_layers():
             objective = objective + aux
             self._has_aux = True
-        if mtp is not None:
+        if mtp is not None and len(self.model.mtp):
             objective = objective + mtp
             self._has_mtp = True
         self.manual_backward(objective / A)
@@ -206,8 +206,11 @@ class LitMoE(LightningModule):
     # ------------------------------------------------------------------------------------------
     # expert bias and metrics
     # ------------------------------------------------------------------------------------------
-    def _reduce_group(self):
-        return getattr(self.trainer.strategy, "loss_reduce_group", None)
+    def _count_group(self):
+        # Token counts are summed over data-parallel ranks only: tp/cp/ep ranks of one group route the
+        # same tokens (the MoE layer sees the whole sequence), so summing over them would over-count.
+        strategy = self.trainer.strategy
+        return getattr(strategy, "expert_count_group", getattr(strategy, "loss_reduce_group", None))
 
     def _update_expert_bias(self, apply: bool) -> Optional[dict[str, torch.Tensor]]:
         layers = self.model.moe_layers()
@@ -218,9 +221,7 @@ class LitMoE(LightningModule):
         extra = torch.stack([torch.stack([_local(m.dropped_assignments).float(),
                                           _local(m.total_assignments).float()]) for m in layers]).to(counts.device)
         if _dist_ready():
-            # Counts are summed over data- and context-parallel ranks (tp/ep ranks of one group see
-            # the same tokens after the strategy's collectives, so the group excludes them).
-            group = self._reduce_group()
+            group = self._count_group()
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)
         if apply and self.model_config.moe_router_enable_expert_bias:

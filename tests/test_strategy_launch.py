@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -56,19 +57,33 @@ def test_torchrun_two_processes_tensor_and_expert_parallel(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_devices_two_and_a_dead_rank_ends_the_job(tmp_path):
-    cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": 20})
-    cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1}}]
+@pytest.mark.parametrize("how", ["hang"])
+def test_devices_two_and_a_stuck_rank_ends_the_job(tmp_path, how):
+    """Rank 1 stops answering after step 1; rank 0's next collective times out after
+    ``parallelism.process_group_timeout_s`` and the run ends with an error (the default 30-minute
+    torch timeout would look like a hang)."""
+    timeout_s = 15
+    cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": timeout_s})
+    cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1, "how": how}}]
     path = write_config(tmp_path, cfg)
     cmd = [sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.devices", "2",
            "--trainer.accelerator", "cpu"]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    elapsed = time.monotonic() - start
-    log = proc.stdout + proc.stderr
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log_file:
+        # Own session: the stuck rank 1 (started by Lightning, not by us) is cleaned up with the group.
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=240)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log = log_path.read_text()
     # both processes trained step 1 together (Lightning launched the second one) ...
     assert "step 1/50" in log, log[-4000:]
-    # ... then rank 1 died and rank 0 stopped with an error instead of waiting forever
-    assert proc.returncode != 0, log[-4000:]
+    # ... then rank 1 stopped answering and rank 0 failed with the collective timeout
+    assert code != 0, log[-4000:]
+    assert f"{timeout_s * 1000}ms" in log, log[-4000:]
     assert "step 50/50" not in log
-    assert elapsed < 200

@@ -20,6 +20,7 @@ from torch import nn
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
 from lit_moe.ops import Linear, apply_rotary, build_norm
+from lit_moe.ops.attention import block_causal_attention, use_block_causal
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,6 +126,9 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
+        if self.use_flash_attention and allowed is None and dropout == 0.0 and use_block_causal(q):
+            # plain causal on a CPU: skip the masked half and stay in the GEMM dtype (ops/attention.py)
+            return block_causal_attention(q, k, v, self.scale, self.softmax_dtype)
         if self.use_flash_attention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
                                                   is_causal=allowed is None, scale=self.scale)

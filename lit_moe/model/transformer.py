@@ -103,6 +103,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if isinstance(config, dict):
             config = DeepseekV3Config(**config)
         self.config = config
+        # The loss over (logits, labels, mask); tensor parallel swaps in a vocabulary-parallel one.
+        self.loss_function = masked_cross_entropy
         c = config
         dtype = c.torch_dtype("params_dtype")
         self.compute_dtype = c.torch_dtype("compute_dtype")
@@ -202,7 +204,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             mask = labels != -100
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
-            out.loss = masked_cross_entropy(out.logits, labels, mask)
+            out.loss = self.loss_function(out.logits, labels, mask)
             out.mtp_loss = out.loss.new_zeros(())
             if len(self.mtp):
                 out.mtp_loss = self._mtp_forward(h, input_ids, labels, mask, position_ids, ctx)
@@ -221,7 +223,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.mtp:
             ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
-            total = total + masked_cross_entropy(self.lm_head(hidden).float(), lab, msk)
+            total = total + self.loss_function(self.lm_head(hidden).float(), lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
 
     @staticmethod

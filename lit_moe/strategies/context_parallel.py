@@ -124,6 +124,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
         labels = call.get("labels")
         counts = None
         if labels is not None:
+            # the loss tokens exactly as DeepseekV3ForCausalLM.forward selects them
             mask = labels != -100
             if call.get("loss_mask") is not None:
                 mask = mask & (call["loss_mask"] != 0)

@@ -102,16 +102,6 @@ def apply_moe_sequence_split(moe: nn.Module, cp_tp_group: dist.ProcessGroup, tp:
     around_forward(experts, slice_before, slice_after)
 
 
-def apply_moe_aux_scale(moe: nn.Module, tp: int) -> None:
-    """Only the gradient scaling of the balancing loss (when the layer sees the whole sequence)."""
-    if tp > 1:
-        def after(mod, args, output):
-            if mod.aux_loss is not None:
-                mod.aux_loss = scale_grad(mod.aux_loss, 1.0 / tp)
-            return output
-        moe.register_forward_hook(after)
-
-
 # ----------------------------------------------------------------------------------------------
 # expert parallel dispatch
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +135,7 @@ def _alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proces
     rows = comm.all_to_all(x, recv_splits, send_splits, group)
     perm, local_counts = _expert_major(recv_counts)
     return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, send_splits=send_splits,
-                                                                recv_splits=recv_splits, kind="alltoall")
+                                                                recv_splits=recv_splits)
 
 
 def _alltoall_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
@@ -175,8 +165,7 @@ def _allgather_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
                                     device=counts.device) for src in range(ep)])
     rows = gathered.index_select(0, index)
     perm, local_counts = _expert_major(mine)
-    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep,
-                                                                kind="allgather")
+    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep)
 
 
 def _allgather_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:

@@ -40,7 +40,7 @@ def around_forward(module: nn.Module, before: Callable[[nn.Module, tuple, dict],
     module.register_forward_pre_hook(pre, with_kwargs=True)
     # prepend: wrappers nest (the last one added is the innermost: it runs last before forward and
     # first after it); FSDP's own post-forward hook, appended later, still runs after all of them
-    module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True)
+    module.register_forward_hook(post, with_kwargs=True, prepend=True)
 
 
 def transform_output(module: nn.Module, fn: Callable[[Any], Any]) -> None:

@@ -137,7 +137,8 @@ class ParallelDims:
                 f"parallelism.tensor_parallel: {T} must divide model.num_attention_heads {heads} "
                 "(tensor parallel shards attention heads)")
         if T > 1:
-            for name in ("vocab_size", "intermediate_size", "moe_intermediate_size"):
+            # (routed experts are not tensor-parallel: they split tokens, not weights)
+            for name in ("vocab_size", "intermediate_size"):
                 value = getattr(model_config, name, None)
                 if value is not None and value % T:
                     raise ParallelismError(
@@ -176,10 +177,11 @@ class ParallelDims:
         """``A = global_batch_size // (data_parallel · local_batch_size)`` (MindFormers' floor division)."""
         per_micro = self.dp * local_batch_size
         if per_micro > global_batch_size:
+            # The seed's (MindFormers') message, with the numbers.
             raise ConfigError(
-                f"training.global_batch_size: {global_batch_size} is smaller than data_parallel({self.dp}) * "
-                f"local_batch_size({local_batch_size}) = {per_micro}; increase global_batch_size or "
-                "decrease local_batch_size")
+                "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
+                "global_batch_size or decrease local_batch_size. (training.global_batch_size "
+                f"{global_batch_size} < data_parallel({self.dp}) * local_batch_size({local_batch_size}) = {per_micro})")
         steps = global_batch_size // per_micro
         dropped = global_batch_size - steps * per_micro
         if dropped:

@@ -114,8 +114,9 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
             # Dense gradients are averaged over dp·cp ranks; expert gradients are summed over every rank
             # of the expert mesh, so divide them by the same dp·cp.
             experts.set_gradient_divide_factor(float(dims.dp_cp))
-            if dims.efsdp > 1 and _backend(emesh) not in ("nccl", "hccl"):
-                # gloo has no PREMUL_SUM. (Not with one shard: torch 2.13 would then divide twice.)
+            if dims.efsdp > 1 and _backend(emesh) != "nccl":
+                # Only NCCL has PREMUL_SUM; elsewhere reduce with SUM and divide after. (Not with one
+                # shard: torch 2.13 then divides in its copy path and again after.)
                 experts.set_force_sum_reduction_for_comms(True)
             if hasattr(experts, "set_reduce_scatter_unused_params"):
                 experts.set_reduce_scatter_unused_params(True, recurse=False)

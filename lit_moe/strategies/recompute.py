@@ -438,7 +438,7 @@ class _ReplayRNG:
     def __enter__(self):
         if self.rng is not None:
             cpu, devices, states, device_type = self.rng
-            self.fork = torch.random.fork_rng(devices=devices, device_type=device_type or "cuda")
+            self.fork = torch.random.fork_rng(devices=devices, device_type=device_type or "cpu")  # no accelerator tensors: CPU RNG only
             self.fork.__enter__()
             torch.set_rng_state(cpu)
             if devices:
