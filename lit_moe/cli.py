@@ -17,7 +17,6 @@ import os
 import sys
 from typing import Any, Optional
 
-from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningCLI
 
 from lit_moe.config import (
@@ -154,6 +153,9 @@ class Run:
 
     def make_trainer(self, trainer_cfg: dict[str, Any]):
         from lightning.pytorch import Trainer
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from lit_moe.callbacks.progress import StepProgressBar
 
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
         defaults = {
@@ -180,7 +182,11 @@ class Run:
         merged = {**defaults, **explicit}
         if merged.get("strategy") in (None, "auto"):
             merged["strategy"] = self.strategy
-        merged["callbacks"] = self.callbacks + user_callbacks
+        callbacks = self.callbacks + user_callbacks
+        if merged.get("enable_progress_bar", True) is not False and \
+                not any(isinstance(cb, ProgressBar) for cb in callbacks):
+            callbacks.append(StepProgressBar())
+        merged["callbacks"] = callbacks
         return Trainer(**merged)
 
 

@@ -301,3 +301,22 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     return obj
+
+
+def load_yaml(path: str, field: str = "--config") -> dict:
+    """Read a YAML file holding a mapping (a pynative.yaml or graph.yaml). Unreadable files, invalid YAML
+    and non-mappings are one-line :class:`ConfigError`s naming ``field`` and the file."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise ConfigError(f"{field}: cannot read {path!r} ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{field}: {path!r} is not valid YAML ({' '.join(str(err).split())})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{field}: {path!r} does not hold a mapping of sections")
+    return data

@@ -58,7 +58,7 @@ from typing import Any, Optional
 
 from lit_moe.config import (CheckpointConfig, ConfigError, ContextConfig, MonitorConfig, ParallelismConfig,
                             ProfilerConfig, RecomputeCommConfig, RecomputeConfig, TrainDatasetConfig,
-                            TrainingConfig)
+                            TrainingConfig, load_yaml)
 
 
 class GraphOnlyKeysWarning(UserWarning):
@@ -681,17 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    import yaml
-
     args = build_parser().parse_args(argv)
     try:
-        try:
-            with open(args.graph, encoding="utf-8") as f:
-                graph = yaml.safe_load(f)
-        except OSError as err:
-            raise ConfigError(f"{args.graph}: cannot read ({err.strerror})") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{args.graph}: not valid YAML ({' '.join(str(err).split())})") from None
+        graph = load_yaml(args.graph, field="graph.yaml")
         result = convert(graph, args.world_size, args.steps)
     except ConfigError as err:
         print(f"lit_moe convert-config: error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -277,11 +277,6 @@ class LitMoE(LightningModule):
             "micro_losses": list(self._micro_losses),
             "moe": moe,
         }
-        self.log_dict(
-            {"loss": self.step_metrics["loss"], "lr": float(lr), "grad_norm": float(grad_norm),
-             "tok/s": tokens_total / max(self.step_metrics["step_time"], 1e-9)},
-            prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1,
-        )
 
     # ------------------------------------------------------------------------------------------
     # checkpoint hooks

@@ -16,6 +16,7 @@ from lit_moe.callbacks._common import emit
 from lit_moe.callbacks.affinity import CPUAffinity, parse_cpu_list, plan_affinity
 from lit_moe.callbacks.moe_metrics import MoEMetrics, layer_stats
 from lit_moe.callbacks.profiler import StepProfiler
+from lit_moe.callbacks.progress import StepProgressBar
 from lit_moe.callbacks.skip import GlobalNormSkipGuard, SkipLimitExceeded, StepGuard
 from lit_moe.callbacks.step_logger import StepLogger, check_log_interval
 from lit_moe.callbacks.throughput import (KNOWN_PEAK_FLOPS, ThroughputMFU, known_peak_flops,
@@ -25,7 +26,7 @@ from lit_moe.callbacks.user import load_callbacks
 
 __all__ = [
     "CPUAffinity", "GlobalNormSkipGuard", "KNOWN_PEAK_FLOPS", "MoEMetrics", "SkipLimitExceeded",
-    "StepGuard", "StepLogger", "StepProfiler", "ThroughputMFU", "TrainStateMonitor",
+    "StepGuard", "StepLogger", "StepProfiler", "StepProgressBar", "ThroughputMFU", "TrainStateMonitor",
     "build_callbacks", "build_logger", "known_peak_flops", "layer_stats", "load_callbacks",
     "measure_matmul_peak", "merge_callbacks", "parse_cpu_list", "plan_affinity", "throughput_metrics",
 ]

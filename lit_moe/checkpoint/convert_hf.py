@@ -33,23 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
 def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
             max_shard_size: str = "5GB") -> Path:
     import torch
-    import yaml
 
     from lit_moe.checkpoint.hf import save_pretrained
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.checkpoint.resume import find_iteration_dir
-    from lit_moe.config import ConfigError
+    from lit_moe.config import ConfigError, load_yaml
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    try:
-        with open(config_path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as err:
-        raise ConfigError(f"--config: cannot read {config_path!r}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config: {config_path!r} is not valid YAML ({str(err).splitlines()[0]})") from None
-    model_section = data.get("model") if isinstance(data, dict) else None
+    data = load_yaml(config_path)
+    model_section = data.get("model")
     if not isinstance(model_section, dict) or not model_section:
         raise ConfigError(f"--config: {config_path!r} has no model section")
     config = DeepseekV3Config(**model_section)

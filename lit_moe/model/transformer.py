@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
+from lit_moe.model.compile import compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.model.mtp import MTPLayer
@@ -56,8 +57,14 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
         self.hidden_dropout = config.hidden_dropout
+        self.torch_compile = config.torch_compile
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        if self.torch_compile:
+            return compiled(DecoderLayer._forward)(self, x, ctx)
+        return self._forward(x, ctx)
+
+    def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
         return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
 
@@ -196,15 +203,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         h = self.embed(input_ids, position_ids)
         for layer in self.layers:
             h = layer(h, ctx)
-        h = self.norm(h)
-        out = CausalLMOutput(logits=self.lm_head(h).float())
-        aux = self._take_aux(self._main_moe)
-
+        mask = None
         if labels is not None:
             mask = labels != -100
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
-            out.loss = self.loss_function(out.logits, labels, mask)
+        h, logits, loss = self._maybe_compiled(DeepseekV3ForCausalLM._head)(self, h, labels, mask)
+        out = CausalLMOutput(logits=logits, loss=loss)
+        aux = self._take_aux(self._main_moe)
+
+        if labels is not None:
             out.mtp_loss = out.loss.new_zeros(())
             if len(self.mtp):
                 out.mtp_loss = self._mtp_forward(h, input_ids, labels, mask, position_ids, ctx)
@@ -223,8 +231,26 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.mtp:
             ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
-            total = total + self.loss_function(self.lm_head(hidden).float(), lab, msk)
+            total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
+
+    def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss)."""
+        h = self.norm(h)
+        logits = self.lm_head(h).float()
+        loss = self.loss_function(logits, labels, mask) if labels is not None else None
+        return h, logits, loss
+
+    def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.loss_function(self.lm_head(hidden).float(), labels, mask)
+
+    def _maybe_compiled(self, fn):
+        # The head's loss is only compiled in its default form: tensor parallel swaps in a
+        # vocabulary-parallel loss with collectives inside.
+        if self.config.torch_compile and self.loss_function is masked_cross_entropy:
+            return compiled(fn)
+        return fn
 
     @staticmethod
     def _take_aux(moes: list[MoE]) -> Optional[torch.Tensor]:

@@ -95,6 +95,8 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return _BlockCausalAttention.apply(q, k, v, float(scale), score_dtype, int(block))
 
 
-def use_block_causal(q: torch.Tensor) -> bool:
-    """Where :func:`block_causal_attention` beats SDPA: CPUs (see the module docstring)."""
-    return q.device.type == "cpu"
+def use_block_causal(q: torch.Tensor, block: int = QUERY_BLOCK) -> bool:
+    """Where the model uses :func:`block_causal_attention` instead of SDPA for ``q [B, h, S, d]``: bf16/fp16
+    on a CPU with at least two query blocks (one block has no masked block to skip; short sequences
+    stay on SDPA). fp32 keeps SDPA's math path, the reference the attention tests compare with."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-2] > block

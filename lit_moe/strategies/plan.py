@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lit_moe.config import ConfigError, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig
+from lit_moe.config import ConfigError, load_yaml, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig
 
 GiB = 1024 ** 3
 
@@ -117,22 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
     """Validate and describe the layout; returns the numbers it printed (for tests)."""
     out = sys.stdout if out is None else out
-    import yaml
 
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies.parallel_dims import ParallelDims
     from lit_moe.strategies.parallelize import parallelize
     from lit_moe.strategies.strategy import check_parallelism_section
 
-    try:
-        with open(config_path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as err:
-        raise ConfigError(f"--config: cannot read {config_path!r} ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config: {config_path!r} is not valid YAML ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {config_path!r} does not hold a mapping of sections")
+    data = load_yaml(config_path)
 
     parallelism = _section(data, "parallelism", ParallelismConfig)
     training = _section(data, "training", TrainingConfig)

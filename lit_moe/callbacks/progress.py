@@ -1,0 +1,42 @@
+"""A progress bar that counts optimizer steps (not micro-batches or epochs), with loss, lr, grad norm
+and tokens/s of the last step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's bar counts dataloader batches per epoch; under accumulation and ``max_epochs=-1``
+    that reads "Epoch 0/-2, 12/3". This one shows ``step k/steps`` and the step's metrics."""
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
+        bar = self.train_progress_bar
+        if self._leave:
+            bar = self.train_progress_bar = self.init_train_tqdm()
+        bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
+        _update_n(bar, trainer.global_step)
+        bar.set_description("step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        if bar is None or bar.n == trainer.global_step:
+            return
+        _update_n(bar, trainer.global_step)
+        bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._leave and self.train_progress_bar is not None:
+            self.train_progress_bar.close()
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        m = getattr(pl_module, "step_metrics", None) or {}
+        if not m:
+            return {}
+        out = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}", "grad_norm": f"{m['grad_norm']:.3f}"}
+        if m.get("step_time"):
+            out["tok/s"] = f"{m['tokens'] / m['step_time']:.0f}"
+        return out
