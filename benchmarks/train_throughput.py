@@ -7,8 +7,9 @@
 
 What is timed
 -------------
-* **lit_moe** (one worker per variant; default: ``compile`` = the model section's ``torch_compile: True``,
-  and ``eager``): ``lit_moe fit --config <generated yaml>`` run in-process (``lit_moe.cli.main``): the
+* **lit_moe**, one worker per variant (``--lit``; on the CPU preset ``compile-fused`` = the model
+  section's ``torch_compile: True`` and the optimizer section's ``fused: True``, ``compile``, and
+  ``eager``): ``lit_moe fit --config <generated yaml>`` run in-process (``lit_moe.cli.main``): the
   ``LitMoE`` LightningModule (manual optimization: forward, backward, global grad norm, clipping, AdamW,
   LR schedule, expert-bias update, step metrics), the ``AscendFSDPStrategy``, the Megatron mock-data
   DataModule (``num_parallel_workers: 0``: fetching the batch is inside the timed step) and every
@@ -107,9 +108,9 @@ COMMON_MODEL = dict(
     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.001, moe_token_dispatcher_type="alltoall",
 )
 PRESETS = {
-    "cpu": dict(model=CPU_MODEL, batch=4, seq=512, steps=10, warmup=2, gemm_n=2048),
-    "gpu": dict(model=GPU_MODEL, batch=2, seq=4096, steps=20, warmup=3, gemm_n=8192),
-    "tiny": dict(model=TINY_MODEL, batch=2, seq=64, steps=3, warmup=1, gemm_n=256),
+    "cpu": dict(model=CPU_MODEL, batch=4, seq=512, steps=10, warmup=2, gemm_n=2048, lit="compile-fused,compile,eager"),
+    "gpu": dict(model=GPU_MODEL, batch=2, seq=4096, steps=20, warmup=3, gemm_n=8192, lit="compile,eager"),
+    "tiny": dict(model=TINY_MODEL, batch=2, seq=64, steps=3, warmup=1, gemm_n=256, lit="eager"),
 }
 # lit_moe variants: (model-section keys, optimizer-section keys) on top of the benchmark's YAML.
 LIT_VARIANTS = {
@@ -817,9 +818,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of each worker")
     p.add_argument("--batch", type=int, default=None, help="micro-batch size (default: the preset's)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--lit", default="compile,eager",
+    p.add_argument("--lit", default=None,
                    help="lit_moe variants, comma-separated: compile (model torch_compile: True), eager, "
-                        "compile-fused / eager-fused (also optimizer fused: True)")
+                        "compile-fused / eager-fused (also optimizer fused: True); default: the preset's "
+                        "(cpu: compile-fused,compile,eager; gpu: compile,eager; tiny: eager)")
     p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                    help="set a model-section key of every lit_moe variant (YAML value)")
     p.add_argument("--optimizer", action="append", default=[], metavar="KEY=VALUE",
@@ -861,7 +863,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     batch, seq = args.batch or PRESETS[preset]["batch"], args.seq or PRESETS[preset]["seq"]
     model_overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.model)}
     optimizer_overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.optimizer)}
-    variants = [v.strip() for v in args.lit.split(",") if v.strip()]
+    variants = [v.strip() for v in (args.lit or PRESETS[preset]["lit"]).split(",") if v.strip()]
     unknown = [v for v in variants + [x.strip() for x in args.dist.split(",") if x.strip()]
                if v not in LIT_VARIANTS and v not in ("dp2", "ep2", "tp2")]
     if unknown or not variants:

@@ -208,7 +208,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             mask = labels != -100
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
-        h, logits, loss = self._maybe_compiled(DeepseekV3ForCausalLM._head)(self, h, labels, mask)
+        head = self._maybe_compiled(DeepseekV3ForCausalLM._head)
+        # compiled, an output the loss does not use would get a zero gradient of [tokens, vocab] in fp32
+        h, logits, loss = head(self, h, labels, mask, detach_logits=head is not DeepseekV3ForCausalLM._head)
         out = CausalLMOutput(logits=logits, loss=loss)
         aux = self._take_aux(self._main_moe)
 
@@ -234,12 +236,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
 
-    def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss)."""
+    def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+              detach_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss). With labels and
+        ``detach_logits`` the logits come back without gradient (the loss carries it)."""
         h = self.norm(h)
         logits = self.lm_head(h).float()
-        loss = self.loss_function(logits, labels, mask) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, mask)
+            if detach_logits:
+                logits = logits.detach()
         return h, logits, loss
 
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

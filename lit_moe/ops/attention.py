@@ -47,16 +47,16 @@ class _BlockCausalAttention(torch.autograd.Function):
         v = v.reshape(B * H, S, Dv)
         qs, ks = (q, k) if score_dtype == q.dtype else (q.to(score_dtype), k.to(score_dtype))
         bounds = _bounds(S, block)
-        out = q.new_empty(B * H, S, Dv)
-        probs = []
+        outs, probs = [], []
         for s0, s1 in zip(bounds[:-1], bounds[1:]):
             scores = torch.baddbmm(qs.new_empty(()).expand(B * H, s1 - s0, s1), qs[:, s0:s1],
                                    ks[:, :s1].transpose(1, 2), beta=0.0, alpha=scale)
             above = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=q.device).triu_(1)
             scores[:, :, s0:s1].masked_fill_(above, float("-inf"))
             p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            torch.bmm(p, v[:, :s1], out=out[:, s0:s1])
+            outs.append(torch.bmm(p, v[:, :s1]))
             probs.append(p)
+        out = torch.cat(outs, dim=1)
         ctx.save_for_backward(q, k, v, *probs)
         ctx.bounds, ctx.scale, ctx.shape = bounds, scale, (B, H, S, D, Dv)
         return out.view(B, H, S, Dv)
@@ -67,7 +67,7 @@ class _BlockCausalAttention(torch.autograd.Function):
         B, H, S, D, Dv = ctx.shape
         bounds, scale = ctx.bounds, ctx.scale
         do = grad_out.reshape(B * H, S, Dv).to(q.dtype)
-        dq = torch.empty_like(q)
+        dqs = []
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for (s0, s1), p in zip(zip(bounds[:-1], bounds[1:]), probs):
@@ -76,8 +76,9 @@ class _BlockCausalAttention(torch.autograd.Function):
             dp = torch.bmm(do_i, v[:, :s1].transpose(1, 2))
             # p (dp - rowsum(p dp)) in one fused pass (fp32 accumulation); rowsum(p dp) = do_i . o_i
             ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(scale)
-            torch.bmm(ds, k[:, :s1], out=dq[:, s0:s1])
+            dqs.append(torch.bmm(ds, k[:, :s1]))
             dk[:, :s1] += torch.bmm(ds.transpose(1, 2), q[:, s0:s1])
+        dq = torch.cat(dqs, dim=1)
         return (dq.view(B, H, S, D), dk.to(k.dtype).view(B, H, S, D), dv.to(v.dtype).view(B, H, S, Dv),
                 None, None, None)
 
