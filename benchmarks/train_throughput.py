@@ -910,10 +910,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "threads": args.threads, "steps": steps, "warmup": warmup,
                                "flops_per_token": fpt, "torch": torch.__version__, "transformers": hf_version,
                                "model_overrides": model_overrides, "optimizer_overrides": optimizer_overrides}
+    spec = None
     try:
         t_start = time.perf_counter()
+        # the checkpoint for transformers lives apart from the work directory (large; never kept)
+        hf_dir = tempfile.mkdtemp(prefix="lit_moe_bench_hf_")
         spec = {"preset": preset, "device": device, "batch": batch, "seq": seq, "rounds": warmup + steps,
-                "warmup": warmup, "work_dir": work, "hf_dir": os.path.join(work, "hf"), "sides": sides,
+                "warmup": warmup, "work_dir": work, "hf_dir": hf_dir, "sides": sides,
                 "model_overrides": model_overrides, "optimizer_overrides": optimizer_overrides}
         if not args.skip_hf:
             write_hf_checkpoint(model_section(preset, seq, model_overrides), spec["hf_dir"])
@@ -973,6 +976,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     finally:
+        if spec is not None:
+            shutil.rmtree(spec["hf_dir"], ignore_errors=True)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return 1 if results.get("errors") else 0

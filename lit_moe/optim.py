@@ -334,6 +334,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
+def _fused_ok(groups: list[dict]) -> bool:
+    """True when every parameter is a plain floating tensor on a device with fused AdamW kernels."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(not _is_dtensor(p) and p.is_floating_point() and p.device.type in devices
+                                for p in params)
+
+
 def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimizer_section: Optional[dict],
                     learning_rate: float) -> torch.optim.Optimizer:
     """The optimizer of ``optimizer_section`` over the trainable parameters, every group at
@@ -341,6 +354,10 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
     settings = validate_optimizer_section(optimizer_section)
     groups = param_groups(named_parameters, settings, learning_rate)
     kernels = {"foreach": settings.foreach, "fused": settings.fused}
+    if settings.type == "AdamW" and settings.fused is None and settings.foreach is None and _fused_ok(groups):
+        # torch's default on CPU is a per-parameter loop; the fused kernel cut the benchmark's step by
+        # 7-10% (benchmarks/README.md). DTensor parameters keep torch's own choice.
+        kernels["fused"] = True
     if settings.type == "AdamW":
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
                                       weight_decay=settings.weight_decay, amsgrad=settings.amsgrad,

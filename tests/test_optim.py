@@ -381,5 +381,8 @@ def test_extras_accepted_and_unused_ones_named(caplog):
 def test_fused_request_reaches_torch():
     opt = build_optimizer(Tiny().named_parameters(), {"use_fused": True}, 1e-3)
     assert all(g["fused"] for g in opt.param_groups)
+    # Unset: plain tensors on a device with fused kernels (CPU here) get the fused kernel by default.
     opt = build_optimizer(Tiny().named_parameters(), {}, 1e-3)
-    assert all(g["fused"] is None and g["foreach"] is None for g in opt.param_groups)
+    assert all(g["fused"] for g in opt.param_groups)
+    opt = build_optimizer(Tiny().named_parameters(), {"fused": False}, 1e-3)
+    assert all(not g["fused"] and g["foreach"] is None for g in opt.param_groups)

@@ -82,14 +82,14 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                        n: Optional[int] = None, repeats: int = 5) -> float:
+                        n: Optional[int] = None, repeats: int = 10) -> float:
     """Best-of-``repeats`` FLOP/s of an ``n × n @ n × n`` matmul on ``device`` (2·n³ FLOPs each).
     Measured once per (device, dtype) and cached for the process."""
     device = torch.device(device)
     key = (str(device), str(dtype))
     if key in _MEASURED_PEAK:
         return _MEASURED_PEAK[key]
-    n = n or (1024 if device.type == "cpu" else 8192)
+    n = n or (2048 if device.type == "cpu" else 8192)
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)

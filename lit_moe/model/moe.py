@@ -235,7 +235,7 @@ class GroupedExperts(nn.Module):
         w2 = _local(self.down_proj).to(x.dtype)
         if self.use_grouped_mm and grouped_mm_usable(x, w1, w2):
             align = grouped_mm_row_align(x.device)
-            if align > 1 and x.shape[0] > 0:
+            if align > 1 and x.shape[0] > 0 and num_tokens_per_expert.numel() > 0:
                 return self._aligned_grouped_mm(x, num_tokens_per_expert, w1, w2, align)
             offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
             h = F.grouped_mm(x, w1, offs=offs)
