@@ -12,6 +12,7 @@ and the offending value; the CLI prints it as one line and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -320,3 +321,17 @@ def load_yaml(path: str, field: str = "--config") -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{field}: {path!r} does not hold a mapping of sections")
     return data
+
+
+def parse_number(value: Any, field: str) -> float:
+    """A finite float from a config value: ints accepted, bools not, and a numeric string such as
+    ``"1e-5"`` (what PyYAML makes of an exponent without a dot) read as the number it spells."""
+    raw = value
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{field}: expected a number, got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{field}: expected a finite number, got {raw!r}")
+    return float(value)

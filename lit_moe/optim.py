@@ -25,7 +25,6 @@ is always safe; ``fused: True`` asks for the fused kernel.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any, Iterable, Optional
@@ -33,7 +32,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from lit_moe.config import ConfigError
+from lit_moe.config import ConfigError, parse_number
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +93,7 @@ def _float(section: dict, key: str, default: float, lo: float = 0.0, hi: Optiona
            hi_open: bool = False) -> float:
     if section.get(key) is None:
         return default
-    value = section[key]
-    if isinstance(value, str):  # PyYAML reads 1e-8 (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{_field(key)}: expected a number, got {section[key]!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{_field(key)}: expected a finite number, got {section[key]!r}")
+    value = parse_number(section[key], _field(key))
     if value < lo or (hi is not None and (value >= hi if hi_open else value > hi)):
         bound = f"[{lo:g}, {hi:g}{')' if hi_open else ']'}" if hi is not None else f">= {lo:g}"
         raise ConfigError(f"{_field(key)}: must be {'in ' if hi is not None else ''}{bound}, got {section[key]!r}")

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from lit_moe.config import ConfigError
+from lit_moe.config import ConfigError, parse_number
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,7 @@ def _number(section: dict, key: str, default: Optional[float], *, minimum: Optio
     an exponent without a dot) is read as the number it spells."""
     if key not in section or section[key] is None:
         return default
-    value = section[key]
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{_field(key)}: expected a number, got {section[key]!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{_field(key)}: expected a finite number, got {section[key]!r}")
+    value = parse_number(section[key], _field(key))
     if minimum is not None and value < minimum:
         raise ConfigError(f"{_field(key)}: must be >= {minimum:g}, got {section[key]!r}")
     return float(value)
