@@ -66,8 +66,12 @@ def test_default_mixed_precision(monkeypatch):
     assert rec.dtypes(F.linear, where=is_router) == {torch.float32}                      # router_dense_type
     assert rec.dtypes(torch.sigmoid) == {torch.float32}
     assert rotary and {(c, o) for _, c, o in rotary} == {(torch.float32, torch.bfloat16)}   # rotary_dtype
-    assert rec.dtypes(F.cross_entropy) == {torch.float32}                               # loss in fp32
-    assert out.logits.dtype == torch.float32
+    # training with labels: the fused head (lit_moe.ops.cross_entropy) gives an fp32 loss, no logits
+    assert out.logits is None and out.loss.dtype == torch.float32 and out.mtp_loss.dtype == torch.float32
+    with rec, torch.no_grad():
+        logits = m(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).logits
+    assert rec.dtypes(F.cross_entropy) == {torch.float32}                               # plain head: fp32 loss
+    assert logits.dtype == torch.float32
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters() if p.requires_grad)
 
 
@@ -81,7 +85,7 @@ def test_every_field_switches_its_computation(monkeypatch):
     assert rec.dtypes(torch.softmax) == {torch.bfloat16}
     assert rec.dtypes(F.linear, where=is_router) == {torch.bfloat16}
     assert {(c, o) for _, c, o in rotary} == {(torch.bfloat16, torch.float32)}
-    assert rec.dtypes(F.cross_entropy) == {torch.float32}
+    assert out.loss.dtype == torch.float32
     assert torch.isfinite(out.loss)
 
 

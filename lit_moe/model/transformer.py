@@ -24,12 +24,14 @@ from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.model.mtp import MTPLayer
 from lit_moe.ops import LayerNorm, Linear, RMSNorm, build_norm
+from lit_moe.ops.cross_entropy import LMHead
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
-    """``[B, S, V]`` fp32 logits of the main head."""
+    logits: Optional[torch.Tensor]
+    """``[B, S, V]`` fp32 logits of the main head; None when the loss came from the fused head (a
+    training forward with labels: the logits never exist whole, see ``lit_moe.ops.cross_entropy``)."""
     loss: Optional[torch.Tensor] = None
     """Masked mean cross-entropy (with labels)."""
     aux_loss: Optional[torch.Tensor] = None
@@ -122,7 +124,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                                         if c.position_embedding_type == "learned_absolute" else None)
             self.layers = nn.ModuleList(DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers))
             self.norm = _norm(c, c.hidden_size, dtype)
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype)
+            self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype)
             self.mtp = nn.ModuleList(MTPLayer(c, c.num_hidden_layers + k, dtype=dtype)
                                      for k in range(c.num_nextn_predict_layers))
         # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
@@ -208,9 +210,13 @@ class DeepseekV3ForCausalLM(nn.Module):
             mask = labels != -100
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
-        head = self._maybe_compiled(DeepseekV3ForCausalLM._head)
-        # compiled, an output the loss does not use would get a zero gradient of [tokens, vocab] in fp32
-        h, logits, loss = head(self, h, labels, mask, detach_logits=head is not DeepseekV3ForCausalLM._head)
+        if labels is not None and self._fused_loss():
+            h = self.norm(h)
+            logits, loss = None, self.lm_head(h, labels, mask)
+        else:
+            head = self._maybe_compiled(DeepseekV3ForCausalLM._head)
+            # compiled, an output the loss does not use would get a zero gradient of [tokens, vocab] fp32
+            h, logits, loss = head(self, h, labels, mask, detach_logits=head is not DeepseekV3ForCausalLM._head)
         out = CausalLMOutput(logits=logits, loss=loss)
         aux = self._take_aux(self._main_moe)
 
@@ -222,7 +228,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 if mtp_aux is not None:
                     mtp_aux = mtp_aux / len(self.mtp)
                     aux = mtp_aux if aux is None else aux + mtp_aux
-        out.aux_loss = aux if aux is not None else out.logits.new_zeros(())
+        out.aux_loss = aux if aux is not None else h.new_zeros((), dtype=torch.float32)
         return out
 
     def _mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -233,11 +239,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.mtp:
             ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
-            total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
+            if self._fused_loss():
+                total = total + self.lm_head(hidden, lab, msk)
+            else:
+                total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
 
     def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-              detach_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+              detach_logits: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss). With labels and
         ``detach_logits`` the logits come back without gradient (the loss carries it)."""
         h = self.norm(h)
@@ -251,6 +260,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.loss_function(self.lm_head(hidden).float(), labels, mask)
+
+    def _fused_loss(self) -> bool:
+        # Only for gradients (it computes them in forward) and the plain loss: tensor parallel swaps
+        # in a vocabulary-parallel one over sharded logits.
+        return torch.is_grad_enabled() and self.loss_function is masked_cross_entropy
 
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
