@@ -96,6 +96,14 @@ def _experts(dtype):
     return experts
 
 
+def test_group_row_buckets_by_hand():
+    counts = torch.tensor([0, 1, 16, 17, 100, 128, 129, 1000, 4097])
+    # width = max(16, 2^floor(log2 n) / 8): 16 up to n < 256, then 32, 64 (n in [512, 1024)), ... 512
+    assert moe_mod.bucketed_group_rows(counts, 16).tolist() == [0, 16, 16, 32, 112, 128, 144, 1024, 4608]
+    assert moe_mod.bucketed_group_rows(counts, 1, buckets_per_octave=2).tolist() == \
+        [0, 1, 16, 24, 128, 128, 192, 1024, 6144]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_aligned_grouped_experts_match_a_per_expert_loop(dtype, tol, monkeypatch):
     experts = _experts(dtype)
@@ -111,8 +119,8 @@ def test_aligned_grouped_experts_match_a_per_expert_loop(dtype, tol, monkeypatch
                         lambda a, b, offs: offsets.append(offs.tolist()) or original(a, b, offs=offs))
     y = experts(x, counts)
     y.backward(dy)
-    # groups rounded up to 16 rows; the last one takes the rest of the static N + E*15 rows
-    assert offsets[0] == [16, 16, 64, 54 + 4 * 15] and offsets[0] == offsets[1]
+    # groups rounded up to their buckets (16, -, 48, 16 rows); no spare rows when eager
+    assert offsets[0] == [16, 16, 64, 80] and offsets[0] == offsets[1]
 
     ref_x = x.detach().double().requires_grad_()
     w1 = experts.gate_up_proj.detach().to(dtype).double().requires_grad_()
@@ -170,6 +178,31 @@ def test_torch_compile_switch_matches_eager(monkeypatch, fresh_compile_cache):
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
     torch.testing.assert_close(cb, ca, atol=0, rtol=0)      # MoE counters move once per forward
+
+
+def test_torch_compile_bf16_grouped_experts_match_eager(monkeypatch, fresh_compile_cache):
+    """bf16 on CPU: compiled, the experts' grouped GEMMs run on the static buffer whose rows past the
+    last group are never computed; nothing of them may reach the outputs or gradients."""
+    monkeypatch.setattr(compile_mod.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    cfg = {**TINY, "compute_dtype": "bfloat16", "moe_intermediate_size": 24}   # 16-byte aligned rows
+    calls = []
+    original = moe_mod.GroupedExperts._aligned_grouped_mm
+    monkeypatch.setattr(moe_mod.GroupedExperts, "_aligned_grouped_mm",
+                        lambda self, *a: calls.append(torch.compiler.is_compiling()) or original(self, *a))
+    torch.manual_seed(0)
+    eager = DeepseekV3ForCausalLM(cfg).train()
+    torch.manual_seed(0)
+    comp = DeepseekV3ForCausalLM({**cfg, "torch_compile": True}).train()
+    ids = torch.randint(0, 97, (2, 16))
+    a, ga, ca = _fwd_bwd(eager, ids)
+    b, gb, cb = _fwd_bwd(comp, ids)
+    assert False in calls and True in calls          # both paths ran
+    assert not any(c.failed for c in compile_mod._COMPILED.values())
+    torch.testing.assert_close(b.loss, a.loss, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(cb, ca, atol=0, rtol=0)
+    for n in ga:
+        assert torch.isfinite(gb[n]).all(), n
+        assert _rel(gb[n], ga[n]) < 2e-2, n
 
 
 def test_torch_compile_failure_falls_back_to_eager(monkeypatch, fresh_compile_cache, caplog):

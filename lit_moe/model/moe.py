@@ -198,15 +198,28 @@ def grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bo
     return x.is_contiguous() and _grouped_mm_runs(x.device, x.dtype)
 
 
-# CPU grouped GEMMs run one oneDNN GEMM per group; oneDNN caches kernels per shape, so group row counts
-# that change every step grew the process by ~60 MB per step on the CPU benchmark (and kept growing).
-# Rounding every group up to a multiple of 16 rows bounds the number of shapes for ~3% more expert rows.
+# CPU grouped GEMMs run one oneDNN GEMM per group, and oneDNN builds and caches a kernel for every
+# shape it meets. Group row counts change every step, so each step built new kernels and the cache
+# grew towards its 1024 entries (hundreds of MB of RSS, and build time every step). Every group is
+# therefore rounded up to a bucket: a multiple of 1/8 of its power of two, at least 16 rows. That is
+# at most 12.5% (or 15 rows) of padding per group and 8 sizes per octave, so the kernels are reused.
 CPU_GROUP_ROW_ALIGN = 16
+CPU_GROUP_BUCKETS_PER_OCTAVE = 8
 
 
 def grouped_mm_row_align(device: torch.device) -> int:
-    """Row multiple of every expert group in the grouped GEMMs (1: no padding)."""
+    """Smallest row multiple of every expert group in the grouped GEMMs (1: no padding)."""
     return CPU_GROUP_ROW_ALIGN if device.type == "cpu" else 1
+
+
+def bucketed_group_rows(counts: torch.Tensor, align: int,
+                        buckets_per_octave: int = CPU_GROUP_BUCKETS_PER_OCTAVE) -> torch.Tensor:
+    """``counts`` rounded up to a multiple of ``max(align, 2^floor(log2 count) / buckets_per_octave)``
+    (0 stays 0), on the device (no host sync)."""
+    counts = counts.to(torch.int64)
+    octave = torch.floor(torch.log2(counts.clamp_min(1).to(torch.float64)))
+    width = torch.pow(2.0, octave - math.log2(buckets_per_octave)).to(torch.int64).clamp_min(align)
+    return (counts + width - 1) // width * width
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -248,24 +261,28 @@ class GroupedExperts(nn.Module):
 
     def _aligned_grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                             align: int) -> torch.Tensor:
-        """The grouped GEMMs with every group's row count rounded up to a multiple of ``align``.
+        """The grouped GEMMs with every group's rows rounded up to its bucket (:func:`bucketed_group_rows`).
 
-        Pad rows repeat row 0; their outputs are never read, so they get zero gradient and add
-        nothing to any weight or input gradient. The buffer has the static size
-        ``N + E (align - 1)`` (no host sync): the last group also takes the rows left over."""
+        Pad rows are zeros whose outputs are never read (zero gradient everywhere). Eagerly the buffer
+        has exactly the padded rows: this path only runs on CPUs, where reading the total is no device
+        sync. Under ``torch.compile`` it has the static size ``N + N/8 + align E`` that bounds the
+        total (no data-dependent shapes in the graph); rows past the last group are then not computed
+        (their values are garbage inside the graph, never read, and their gradient is dropped by the
+        ``index_copy`` that placed the real rows)."""
         N, E = x.shape[0], counts.numel()
         counts = counts.to(torch.int64)
-        padded = (counts + (align - 1)) // align * align
-        rows = N + E * (align - 1)
-        padded[-1] += rows - padded.sum()
+        padded = bucketed_group_rows(counts, align)
+        if torch.compiler.is_compiling():
+            rows = N + N // CPU_GROUP_BUCKETS_PER_OCTAVE + E * align
+        else:
+            rows = int(padded.sum())
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=N)
         start = torch.cumsum(counts, 0) - counts
         padded_start = torch.cumsum(padded, 0) - padded
         dest = torch.arange(N, device=x.device) + (padded_start - start)[expert]     # row -> padded slot
-        src = torch.zeros(rows, dtype=torch.int64, device=x.device).index_copy_(
-            0, dest, torch.arange(N, device=x.device))                                # padded slot -> row
         offs = torch.cumsum(padded, 0, dtype=torch.int32)
-        h = F.grouped_mm(x.index_select(0, src), w1, offs=offs)
+        x_padded = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+        h = F.grouped_mm(x_padded, w1, offs=offs)
         y = F.grouped_mm(self.act.forward_packed(h), w2, offs=offs)
         return _ContiguousGrad.apply(y).index_select(0, dest)
 
