@@ -28,7 +28,7 @@ def test_loss_and_gradients_match_formula(dtype, block_rows):
     labels = torch.randint(0, V, (T,))
     labels[::7] = -100                       # ignored positions, labels out of range there
     mask = labels != -100
-    loss = linear_cross_entropy(h, w, labels, mask, row_block_bytes=4 * V * block_rows)
+    loss = linear_cross_entropy(h, w, labels, mask, block_bytes=4 * V * block_rows)
     (loss * 0.25).backward()                 # the incoming gradient scales both input gradients
 
     h64 = h.detach().double().requires_grad_()

@@ -29,14 +29,20 @@ import torch
 
 from lit_moe.ops.linear import Linear
 
-# fp32 bytes of one block of rows: small enough to stay in cache and under glibc's mmap threshold.
-ROW_BLOCK_BYTES = 2 << 20
+# fp32 bytes of one block of rows. CPU: small enough to stay in cache and under glibc's mmap
+# threshold. Accelerators: large, so that the per-block kernels stay few (each one is a launch).
+CPU_ROW_BLOCK_BYTES = 2 << 20
+ACCELERATOR_ROW_BLOCK_BYTES = 256 << 20
+
+
+def row_block_bytes(device: torch.device) -> int:
+    return CPU_ROW_BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_ROW_BLOCK_BYTES
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
-                row_block_bytes: int) -> torch.Tensor:
+                block_bytes: int) -> torch.Tensor:
         T, V = h.shape[0], weight.shape[0]
         mask = mask.to(torch.float32)
         labels = torch.where(mask > 0, labels, 0).long()[:, None]   # masked labels may be pads: never indexed
@@ -46,7 +52,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         z = torch.mm(h, weight.t())                                     # [T, V], compute dtype
         ce = torch.empty(T, dtype=torch.float32, device=h.device)
         minus_one = torch.full((1, 1), -1.0, device=h.device).expand(T, 1)
-        rows = max(1, row_block_bytes // (4 * V))
+        rows = max(1, block_bytes // (4 * V))
         for s in range(0, T, rows):
             e = min(T, s + rows)
             zc = z[s:e].float()
@@ -72,12 +78,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
-                         row_block_bytes: int = ROW_BLOCK_BYTES) -> torch.Tensor:
+                         block_bytes: Optional[int] = None) -> torch.Tensor:
     """``sum(CE(h W^T, labels) * mask) / sum(mask)`` (0 when the mask is empty) for ``h [T, H]``,
-    ``weight [V, H]`` (same dtype), ``labels [T]``, ``mask [T]`` (bool or float); logits never leave it."""
+    ``weight [V, H]`` (same dtype), ``labels [T]``, ``mask [T]`` (bool or float); logits never leave it.
+    ``block_bytes``: fp32 size of one block of rows (default: :func:`row_block_bytes` of the device)."""
     if h.dtype != weight.dtype:
         raise ValueError(f"linear_cross_entropy: h and weight dtypes differ ({h.dtype}, {weight.dtype})")
-    return _LinearCrossEntropy.apply(h, weight, labels, mask, int(row_block_bytes))
+    block = row_block_bytes(h.device) if block_bytes is None else int(block_bytes)
+    return _LinearCrossEntropy.apply(h, weight, labels, mask, block)
 
 
 class LMHead(Linear):
