@@ -264,11 +264,12 @@ class DeepseekV3Config:
     rotary_dtype: str = "float32"
     """dtype of the rotary cos/sin and rotation (result cast back)."""
     torch_compile: bool = False
-    """Compile every decoder layer and the output head (norm, head GEMM, loss) with ``torch.compile``
-    (inductor), which fuses their element-wise work (norms, rotary, casts, SwiGLU, attention softmax,
-    the fp32 loss). Compilation happens on the first step (tens of seconds on a CPU); where it fails
-    (no compiler, a backend without inductor support) a warning is logged and that part runs eagerly.
-    With labels, the returned ``logits`` then carry no gradient (the losses do)."""
+    """Compile every decoder layer with ``torch.compile`` (inductor), which fuses their element-wise
+    work (norms, rotary, casts, SwiGLU, attention softmax), and the output head (norm, head GEMM, loss)
+    of forwards without gradient; training forwards keep the fused linear-cross-entropy head either way
+    (``lit_moe.ops.cross_entropy``). Compilation happens on the first step (tens of seconds on a CPU);
+    where it fails (no compiler, a backend without inductor support) a warning is logged and that part
+    runs eagerly."""
     pad_token_id: Optional[int] = None
     """Written to Hugging Face ``config.json``; not used for masking."""
     bos_token_id: Optional[int] = 0

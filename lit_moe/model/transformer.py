@@ -214,9 +214,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             h = self.norm(h)
             logits, loss = None, self.lm_head(h, labels, mask)
         else:
-            head = self._maybe_compiled(DeepseekV3ForCausalLM._head)
-            # compiled, an output the loss does not use would get a zero gradient of [tokens, vocab] fp32
-            h, logits, loss = head(self, h, labels, mask, detach_logits=head is not DeepseekV3ForCausalLM._head)
+            h, logits, loss = self._maybe_compiled(DeepseekV3ForCausalLM._head)(self, h, labels, mask)
         out = CausalLMOutput(logits=logits, loss=loss)
         aux = self._take_aux(self._main_moe)
 
@@ -245,17 +243,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                 total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
 
-    def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-              detach_logits: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss). With labels and
-        ``detach_logits`` the logits come back without gradient (the loss carries it)."""
+    def _head(self, h: torch.Tensor, labels: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss)."""
         h = self.norm(h)
         logits = self.lm_head(h).float()
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, mask)
-            if detach_logits:
-                logits = logits.detach()
+        loss = self.loss_function(logits, labels, mask) if labels is not None else None
         return h, logits, loss
 
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -268,7 +261,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
-        # vocabulary-parallel loss with collectives inside.
+        # vocabulary-parallel loss with collectives inside. (Training forwards of that default form
+        # take the fused head instead, so this compiles forwards without gradient.)
         if self.config.torch_compile and self.loss_function is masked_cross_entropy:
             return compiled(fn)
         return fn
