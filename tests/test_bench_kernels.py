@@ -96,6 +96,19 @@ def _experts(dtype):
     return experts
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_with_no_rows_give_zero_gradients(dtype):
+    """An expert-parallel rank can receive no tokens at all: forward and backward still run, and every
+    expert weight gets a zero gradient (FSDP's gradient reduction needs one on every rank)."""
+    experts = _experts(dtype)
+    x = torch.zeros(0, 32, dtype=dtype, requires_grad=True)
+    y = experts(x, torch.zeros(4, dtype=torch.long))
+    assert y.shape == (0, 32)
+    (y.sum() + 0 * x.sum()).backward()
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.grad is not None and p.grad.shape == p.shape and torch.count_nonzero(p.grad) == 0
+
+
 def test_group_row_buckets_by_hand():
     counts = torch.tensor([0, 1, 16, 17, 100, 128, 129, 1000, 4097])
     # width = max(16, 2^floor(log2 n) / 8): 16 up to n < 256, then 32, 64 (n in [512, 1024)), ... 512

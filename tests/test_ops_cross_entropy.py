@@ -20,13 +20,15 @@ def reference(h, w, labels, mask):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_rows", [1, 37, 10_000])   # many blocks, a ragged last block, one block
-def test_loss_and_gradients_match_formula(dtype, block_rows):
+@pytest.mark.parametrize("T,H", [(150, 32), (12, 64)])     # input gradients kept / logits' gradient kept
+def test_loss_and_gradients_match_formula(dtype, block_rows, T, H):
     torch.manual_seed(0)
-    T, H, V = 150, 32, 500
+    V = 500
     h = torch.randn(T, H).to(dtype).requires_grad_()
     w = (torch.randn(V, H) * 0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (T,))
     labels[::7] = -100                       # ignored positions, labels out of range there
+    labels[1] = V - 1
     mask = labels != -100
     loss = linear_cross_entropy(h, w, labels, mask, block_bytes=4 * V * block_rows)
     (loss * 0.25).backward()                 # the incoming gradient scales both input gradients
@@ -124,3 +126,26 @@ def test_model_without_grad_returns_logits():
     with torch.no_grad():
         out = m(ids, labels=ids)
     assert out.logits is not None and out.logits.shape == (2, 16, 96) and out.logits.dtype == torch.float32
+
+
+def test_only_the_wanted_gradients_and_none_without_grad():
+    h = torch.randn(6, 8)
+    w = torch.randn(10, 8, requires_grad=True)
+    labels = torch.arange(6)
+    linear_cross_entropy(h, w, labels, labels >= 0).backward()
+    assert h.grad is None and w.grad is not None
+    h.requires_grad_()
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, labels, labels >= 0)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss.double(), reference(h.detach().double(), w.detach().double(), labels,
+                                                        labels >= 0), atol=1e-6, rtol=1e-6)
+
+
+def test_second_derivative_is_refused():
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    labels = torch.arange(6)
+    loss = linear_cross_entropy(h, w, labels, labels >= 0) + (h ** 3).sum()
+    with pytest.raises(RuntimeError, match="no second derivative"):   # not a silently partial Hessian
+        torch.autograd.grad(loss, h, create_graph=True)

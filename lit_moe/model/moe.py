@@ -246,9 +246,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1 = _local(self.gate_up_proj).to(x.dtype)
         w2 = _local(self.down_proj).to(x.dtype)
-        if self.use_grouped_mm and grouped_mm_usable(x, w1, w2):
+        # no rows at all (an expert-parallel rank that received no tokens): the loop below, whose
+        # empty GEMMs still give every expert weight its (zero) gradient; grouped_mm's backward
+        # rejects an empty input
+        if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_usable(x, w1, w2):
             align = grouped_mm_row_align(x.device)
-            if align > 1 and x.shape[0] > 0 and num_tokens_per_expert.numel() > 0:
+            if align > 1 and num_tokens_per_expert.numel() > 0:
                 return self._aligned_grouped_mm(x, num_tokens_per_expert, w1, w2, align)
             offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
             h = F.grouped_mm(x, w1, offs=offs)

@@ -15,10 +15,18 @@ else from the head):
                                                   written back over z in the compute dtype
     dh = g W,   dW = g^T h                        two GEMMs (fp32 accumulation inside, as autograd's)
 
-and backward only scales ``dh`` and ``dW`` by the incoming gradient. The numbers are the plain path's
-up to summation order: the same rounded logits, the same fp32 softmax, the same rounding of the
-logits' gradient to the compute dtype before the two GEMMs. One ``[T, V]`` table in the compute
-dtype remains, and it is freed before backward.
+and backward only scales ``dh`` and ``dW`` by the incoming gradient. (When the ``[T, V]`` table is
+smaller than ``dh`` and ``dW`` together, as for short micro-batches with a large hidden size, it is
+kept instead and the two GEMMs run in backward.) One ``[T, V]`` table in the compute dtype remains.
+
+Numerics: the same rounded logits and the same fp32 softmax and loss as the plain path, up to
+summation order. The input gradients differ in one rounding: the plain path multiplies the logits'
+fp32 gradient by the incoming gradient (``1/A`` of accumulation, the MTP weight, ...) before rounding
+it to the compute dtype, this function rounds the unscaled gradient and scales afterwards. With an
+incoming gradient of 1 or a power of two the results are the plain path's; otherwise a few values
+differ in their last bit of the compute dtype (bf16: about 4e-3 relative), the size of the bf16
+rounding every other gradient of the model carries. Backward with ``create_graph=True`` is an error:
+the gradients have no graph of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                 block_bytes: int) -> torch.Tensor:
-        T, V = h.shape[0], weight.shape[0]
+        T, H = h.shape
+        V = weight.shape[0]
         mask = mask.to(torch.float32)
         labels = torch.where(mask > 0, labels, 0).long()[:, None]   # masked labels may be pads: never indexed
         denom = mask.sum().clamp_min(1e-8)
@@ -64,14 +73,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 zc.div_(total).scatter_add_(1, labels[s:e], minus_one[s:e]).mul_(row_scale[s:e])
                 z[s:e].copy_(zc)
         loss = (ce * mask).sum() / denom
-        grad_h = torch.mm(z, weight) if ctx.needs_input_grad[0] else None
-        grad_w = torch.mm(z.t(), h) if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(grad_h, grad_w)
+        # Keep whichever is smaller until backward: the logits' gradient [T, V] (GEMMs in backward)
+        # or the two input gradients [T, H] + [V, H] (GEMMs now, the [T, V] table freed at once).
+        ctx.gemms_in_backward = want_grad and T * V <= H * (T + V)
+        if ctx.gemms_in_backward:
+            ctx.save_for_backward(z, h, weight)
+        else:
+            grad_h = torch.mm(z, weight) if ctx.needs_input_grad[0] else None
+            grad_w = torch.mm(z.t(), h) if ctx.needs_input_grad[1] else None
+            ctx.save_for_backward(grad_h, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
+        if torch.is_grad_enabled():   # create_graph=True: the gradients above have no graph of their own
+            raise RuntimeError("linear_cross_entropy (the fused output-layer loss) has no second derivative; "
+                               "double backward through it would silently miss its part")
+        if ctx.gemms_in_backward:
+            g, h, weight = ctx.saved_tensors
+            grad_h = torch.mm(g, weight) if ctx.needs_input_grad[0] else None
+            grad_w = torch.mm(g.t(), h) if ctx.needs_input_grad[1] else None
+        else:
+            grad_h, grad_w = ctx.saved_tensors
         grad_h = grad_h * grad_loss if grad_h is not None else None
         grad_w = grad_w * grad_loss if grad_w is not None else None
         return grad_h, grad_w, None, None, None
@@ -84,6 +107,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     ``block_bytes``: fp32 size of one block of rows (default: :func:`row_block_bytes` of the device)."""
     if h.dtype != weight.dtype:
         raise ValueError(f"linear_cross_entropy: h and weight dtypes differ ({h.dtype}, {weight.dtype})")
+    if not torch.is_grad_enabled():   # no gradient wanted: the forward must not compute any
+        h, weight = h.detach(), weight.detach()
     block = row_block_bytes(h.device) if block_bytes is None else int(block_bytes)
     return _LinearCrossEntropy.apply(h, weight, labels, mask, block)
 
