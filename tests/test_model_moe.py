@@ -318,3 +318,77 @@ def test_no_python_loop_over_tokens_in_routing():
             moe(torch.randn(1, T, 8))
         n.append(len(calls))
     assert n[0] == n[1]
+
+
+@pytest.mark.parametrize("capacity", [None, "drop", "pad"])
+def test_moe_gradients_match_token_loop_reference(capacity):
+    """Input, router and expert gradients of the vectorised dispatch (assignment-row gather, slot
+    scatter) equal those of the token-by-token reference, dropless and with capacity."""
+    extra = {} if capacity is None else dict(moe_expert_capacity_factor=0.5, use_pad_tokens=capacity == "pad")
+    _, moe = make_moe(**extra)
+    moe.train()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    moe.double()
+    keep = None
+    if capacity is not None:
+        keep = reference_keep(moe, x, moe.capacity(12), "probs")
+        assert not all(all(row) for row in keep)
+    params = [x.requires_grad_(), moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
+    dy = torch.randn(2, 6, 8, dtype=torch.float64)
+    got = torch.autograd.grad((moe(x) * dy).sum(), params)
+    want = torch.autograd.grad((naive_moe(moe, x, keep) * dy).sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)   # the router computes in fp32
+
+
+@pytest.mark.parametrize("capacity", [None, "pad"])
+def test_routing_and_dispatch_make_no_host_sync(monkeypatch, capacity):
+    """On an accelerator a host read of a device value stalls the stream: routing, dispatch, combine
+    and their backward use none of the ops that do (bincount sizes its output from the largest
+    index, boolean-mask indexing runs nonzero, item/tolist read values). The dropping policy
+    without padding needs one by design (the kept count) and is not checked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lit_moe.model.moe as moe_mod
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(moe_mod, "grouped_mm_row_align", lambda device: 1)   # as on an accelerator
+    extra = {} if capacity is None else dict(moe_expert_capacity_factor=0.5, use_pad_tokens=True)
+    _, moe = make_moe(moe_intermediate_size=4, **extra)
+    moe.train()
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    assert grouped_mm_usable(x.reshape(12, 8), moe.experts.gate_up_proj, moe.experts.down_proj)
+    with Record():
+        moe(x).sum().backward()
+    syncing = {"aten.bincount", "aten.nonzero", "aten._local_scalar_dense", "aten.item", "aten.masked_select"}
+    assert "aten._grouped_mm" in seen
+    assert not syncing & set(seen)
+
+
+def test_assignment_rows_gather_and_gradient():
+    from lit_moe.model.moe import _AssignmentRows
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    order = torch.tensor([7, 0, 9, 3, 4, 1, 8])       # some of the 10 assignments of K = 2, shuffled
+    g = torch.randn(7, 3, dtype=torch.float64)
+    (got,) = torch.autograd.grad((_AssignmentRows.apply(x, order, 2) * g).sum(), x)
+    (want,) = torch.autograd.grad((x.index_select(0, order // 2) * g).sum(), x)
+    assert torch.equal(_AssignmentRows.apply(x, order, 2), x.index_select(0, order // 2))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_bf16_router_keeps_small_bias_steps():
+    """Selection adds the fp32 expert bias in fp32 even when the router computes in bf16: a 1e-3 bias
+    step (the default update rate) must break a tie that bf16 would round away (0.5 + 1e-3 -> 0.5)."""
+    r, _ = router_for(SCORES)
+    r.top_k, r.n_group = 1, 1
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.tensor([0.0, 1e-3, 0, 0, 0, 0, 0, 0]))
+    scores = torch.tensor([[0.5, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]], dtype=torch.bfloat16)
+    assert r.select(scores).tolist() == [[1]]

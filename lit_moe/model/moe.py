@@ -89,7 +89,8 @@ class Router(nn.Module):
     @torch.no_grad()
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Indices ``[T, K]`` of the chosen experts: top-K of s + b within the best groups."""
-        choice = scores + self.expert_bias.to(scores.dtype)
+        # in fp32 at least: a bf16 router (router_dense_type) would round away bias steps of 1e-3
+        choice = scores.to(torch.promote_types(scores.dtype, torch.float32)) + self.expert_bias
         if self.n_group > 1:
             T, E = choice.shape
             per_group = E // self.n_group
@@ -127,6 +128,33 @@ def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_fu
     return coeff * (f * P).sum(dim=-1).mean()
 
 
+def expert_counts(flat_e: torch.Tensor, num_bins: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Assignments per expert (``weights`` of 0/1 count only some). A scatter-add of integers rather than
+    ``bincount``, which reads the largest index back to the host on accelerators (a device sync)."""
+    ones = torch.ones_like(flat_e) if weights is None else weights.to(flat_e.dtype)
+    return torch.zeros(num_bins, dtype=flat_e.dtype, device=flat_e.device).scatter_add_(0, flat_e, ones)
+
+
+class _AssignmentRows(torch.autograd.Function):
+    """``x[order // K]``: the token row of every assignment in ``order`` (distinct assignments
+    ``a = t*K + k``). Its backward places the gradients by assignment and sums each token's K rows,
+    instead of ``index_select``'s backward, whose scatter-add of duplicate rows uses atomics on
+    accelerators (run-to-run differences)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.top_k, ctx.tokens = top_k, x.shape[0]
+        return x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        T, K = ctx.tokens, ctx.top_k
+        by_assignment = grad.new_zeros(T * K, grad.shape[-1]).index_copy_(0, order, grad)
+        return by_assignment.view(T, K, -1).sum(dim=1), None, None
+
+
 def capacity_ranks(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, policy: str
                    ) -> torch.Tensor:
     """Rank ``[T, K]`` of every assignment among those of its expert: by descending combine weight
@@ -138,7 +166,7 @@ def capacity_ranks(indices: torch.Tensor, weights: torch.Tensor, num_experts: in
     else:
         pre = torch.arange(n, device=flat_e.device)
     order = pre[torch.argsort(flat_e[pre], stable=True)]           # grouped by expert, policy order within
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = expert_counts(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(flat_e)
     rank[order] = torch.arange(n, device=flat_e.device) - starts[flat_e[order]]
@@ -367,25 +395,27 @@ class MoE(nn.Module):
 
         if keep is None:                                               # dropless
             order = torch.argsort(flat_e, stable=True)
-            counts = torch.bincount(flat_e, minlength=E)
-            y_sorted = self.experts(flat_x.index_select(0, order // K), counts)
+            counts = expert_counts(flat_e, E)
+            y_sorted = self.experts(_AssignmentRows.apply(flat_x, order, K), counts)
             y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
             kept_counts = counts
         elif self.pad_to_capacity:                                     # exactly C rows per expert
-            slot = flat_e * capacity + rank.clamp(max=capacity - 1)
-            slot_token = torch.zeros(E * capacity, dtype=torch.long, device=flat_x.device)  # filler: token 0
-            slot_token[slot[keep]] = torch.div(torch.arange(T * K, device=flat_x.device), K,
-                                               rounding_mode="floor")[keep]
+            # slot of every kept assignment; dropped ones go to a spare last slot that is cut off
+            slot = torch.where(keep, flat_e * capacity + rank.clamp(max=capacity - 1), E * capacity)
+            assignments = torch.arange(T * K, device=flat_x.device)
+            slot_assignment = torch.zeros(E * capacity + 1, dtype=torch.long,   # filler: assignment 0
+                                          device=flat_x.device).scatter_(0, slot, assignments)[:-1]
+            per_assignment = flat_x.unsqueeze(1).expand(T, K, H).reshape(T * K, H)
             counts = torch.full((E,), capacity, dtype=torch.long, device=flat_x.device)
-            y_slots = self.experts(flat_x.index_select(0, slot_token), counts)
-            y = torch.where(keep[:, None], y_slots.index_select(0, slot), 0.0)
-            kept_counts = torch.bincount(flat_e[keep], minlength=E)
+            y_slots = self.experts(per_assignment.index_select(0, slot_assignment), counts)
+            y = torch.where(keep[:, None], y_slots.index_select(0, slot.clamp(max=E * capacity - 1)), 0.0)
+            kept_counts = expert_counts(flat_e, E, keep)
         else:                                                          # dropped assignments skip the experts
             masked_e = torch.where(keep, flat_e, E)
             order = torch.argsort(masked_e, stable=True)
-            kept_counts = torch.bincount(masked_e, minlength=E + 1)[:E]
+            kept_counts = expert_counts(masked_e, E + 1)[:E]
             order = order[: int(kept_counts.sum())]                    # host sync: the kept count is dynamic
-            y_sorted = self.experts(flat_x.index_select(0, order // K), kept_counts)
+            y_sorted = self.experts(_AssignmentRows.apply(flat_x, order, K), kept_counts)
             y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
 
         combine = weights if keep is None else weights * keep.view(T, K)
@@ -407,7 +437,7 @@ class MoE(nn.Module):
             self.dropped_assignments += assignments - kept
             self.total_assignments += assignments
             self.last_stats = {"tokens_per_expert": kept_counts, "dropped": assignments - kept,
-                               "assignments": torch.tensor(float(assignments), device=kept.device)}
+                               "assignments": torch.full((), float(assignments), device=kept.device)}
 
     def reset_drop_counters(self) -> None:
         self.dropped_assignments.zero_()

@@ -105,13 +105,14 @@ def apply_moe_sequence_split(moe: nn.Module, cp_tp_group: dist.ProcessGroup, tp:
 # ----------------------------------------------------------------------------------------------
 # expert parallel dispatch
 # ----------------------------------------------------------------------------------------------
-def _expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_major(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows arrive source-major ``(src, expert)``; return the permutation to expert-major order
-    and the rows per local expert. ``recv_counts``: ``[sources, local_experts]``."""
+    and the rows per local expert. ``recv_counts``: ``[sources, local_experts]``; ``total``: their
+    sum, known on the host (so ``repeat_interleave`` needs no device sync)."""
     sources, local = recv_counts.shape
     device = recv_counts.device
     key = (torch.arange(local, device=device)[None, :] * sources + torch.arange(sources, device=device)[:, None])
-    key = torch.repeat_interleave(key.reshape(-1), recv_counts.reshape(-1).to(torch.long))
+    key = torch.repeat_interleave(key.reshape(-1), recv_counts.reshape(-1).to(torch.long), output_size=total)
     perm = torch.argsort(key, stable=True)
     return perm, recv_counts.sum(dim=0)
 
@@ -130,10 +131,9 @@ def _alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proces
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
     # Host copies of the split sizes: the all-to-all of the rows needs them (one sync per layer).
-    send_splits = send_counts.sum(dim=1).tolist()
-    recv_splits = recv_counts.sum(dim=1).tolist()
+    send_splits, recv_splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
     rows = comm.all_to_all(x, recv_splits, send_splits, group)
-    perm, local_counts = _expert_major(recv_counts)
+    perm, local_counts = _expert_major(recv_counts, sum(recv_splits))
     return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, send_splits=send_splits,
                                                                 recv_splits=recv_splits)
 
@@ -151,20 +151,20 @@ def _allgather_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
     all_counts = torch.empty(ep * counts.numel(), dtype=counts.dtype, device=counts.device)
     comm._all_gather_single(all_counts, counts.contiguous(), group)
     all_counts = all_counts.view(ep, counts.numel())                           # [ep, E]
-    sizes = all_counts.sum(dim=1)
-    n_max = int(sizes.max())
+    # rows of my experts inside each source's expert-sorted block, source-major
+    first = me * local_experts
+    mine = all_counts[:, first:first + local_experts]                           # [ep, local]
+    # one host copy (one sync per layer): the largest source block, and where my rows sit in each
+    sizes, before_mine, take = torch.stack([all_counts.sum(dim=1), all_counts[:, :first].sum(dim=1),
+                                            mine.sum(dim=1)]).tolist()
+    n_max = max(sizes)
     n = x.shape[0]
     padded = torch.nn.functional.pad(x, (0, 0, 0, n_max - n))
     gathered = comm.all_gather(padded.unsqueeze(0), group, dim=0).reshape(ep * n_max, x.shape[-1])
-    # rows of my experts inside each source's expert-sorted block, source-major
-    first = me * local_experts
-    before_mine = all_counts[:, :first].sum(dim=1).tolist()
-    mine = all_counts[:, first:first + local_experts]                           # [ep, local]
-    take = mine.sum(dim=1).tolist()
     index = torch.cat([torch.arange(src * n_max + before_mine[src], src * n_max + before_mine[src] + take[src],
                                     device=counts.device) for src in range(ep)])
     rows = gathered.index_select(0, index)
-    perm, local_counts = _expert_major(mine)
+    perm, local_counts = _expert_major(mine, sum(take))
     return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep)
 
 

@@ -35,12 +35,16 @@ def around_forward(module: nn.Module, before: Callable[[nn.Module, tuple, dict],
 
     def post(mod, args, kwargs, output):
         state = stack.pop()
+        if output is None:   # forward raised (e.g. recompute stopping early): only drop the state
+            return None
         return after(mod, output, state) if after is not None else output
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
     # prepend: wrappers nest (the last one added is the innermost: it runs last before forward and
-    # first after it); FSDP's own post-forward hook, appended later, still runs after all of them
-    module.register_forward_hook(post, with_kwargs=True, prepend=True)
+    # first after it); FSDP's own post-forward hook, appended later, still runs after all of them.
+    # always_call: activation recompute stops a forward early once it has rebuilt what backward
+    # needs; the state pushed before it must still be popped.
+    module.register_forward_hook(post, with_kwargs=True, prepend=True, always_call=True)
 
 
 def transform_output(module: nn.Module, fn: Callable[[Any], Any]) -> None:
