@@ -12,7 +12,9 @@ programs living next to the code they drive.
 
 from __future__ import annotations
 
+
 import importlib
+import math
 import os
 import sys
 from typing import Any, Optional
@@ -123,6 +125,7 @@ class LitMoECLI(LightningCLI):
     # -- build --------------------------------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         parser = self._parser(self.subcommand)
+        _check_section_shapes(self.config[self.subcommand], parser)
         instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
         # Sections become dataclasses; `trainer.callbacks`/plugins given as class_path become objects.
         self.config_init = {self.subcommand: instantiate(self.config[self.subcommand])}
@@ -136,10 +139,17 @@ class LitMoECLI(LightningCLI):
             raise ConfigError(str(err)) from None
 
     def instantiate_classes(self) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         self.model = self.run.module
         self.datamodule = self.run.datamodule
         trainer_section = _namespace_to_dict(self.config_init[self.subcommand].get("trainer"))
-        self.trainer = self.run.make_trainer(trainer_section)
+        try:
+            self.trainer = self.run.make_trainer(trainer_section)
+        except ConfigError:
+            raise
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            raise ConfigError(f"trainer: {err}") from None
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         return {"model": self.model, "datamodule": self.datamodule, "ckpt_path": self.run.ckpt_path}
@@ -179,6 +189,10 @@ class Run:
             defaults["devices"] = int(os.environ["LOCAL_WORLD_SIZE"])
         # The `trainer:` section overrides only what the user actually wrote there.
         explicit = {k: v for k, v in trainer_cfg.items() if k in self.explicit_trainer_keys}
+        for key, home in _TRAINER_KEYS_OWNED_BY_SECTIONS.items():
+            if explicit.get(key) not in (None, 1 if key == "accumulate_grad_batches" else None):
+                raise ConfigError(f"trainer.{key}: {explicit[key]!r} is not used by lit_moe's training step; "
+                                  f"set {home}")
         merged = {**defaults, **explicit}
         if merged.get("strategy") in (None, "auto"):
             merged["strategy"] = self.strategy
@@ -188,6 +202,41 @@ class Run:
             callbacks.append(StepProgressBar())
         merged["callbacks"] = callbacks
         return Trainer(**merged)
+
+
+# Trainer arguments that the manual optimization step replaces, and the key that does their job.
+_TRAINER_KEYS_OWNED_BY_SECTIONS = {
+    "gradient_clip_val": "training.max_norm",
+    "gradient_clip_algorithm": "training.max_norm (global-norm clipping)",
+    "accumulate_grad_batches": "training.global_batch_size (accumulation = global / (local batch x data parallel))",
+}
+
+
+def _check_section_shapes(cfg: Any, parser: Any) -> None:
+    """A section (or sub-section) left empty in the YAML (``training:`` with every key commented out)
+    takes its defaults; one that is not a mapping at all is a one-line error."""
+    from jsonargparse import Namespace
+
+    def walk(value: Any, default: Any, where: str) -> Any:
+        if not isinstance(default, Namespace):
+            return value
+        if value is None:
+            return default.clone()
+        if not isinstance(value, Namespace):
+            raise ConfigError(f"{where}: expected a mapping of keys, got {value!r}")
+        for key, sub in vars(default).items():    # direct children only
+            value[key] = walk(value.get(key), sub, f"{where}.{key}")
+        return value
+
+    defaults = parser.get_defaults()
+    for name in (*FIXED_SECTIONS, *OPEN_SECTIONS):
+        value, default = cfg.get(name), defaults.get(name)
+        if value is None:
+            cfg[name] = default.clone() if isinstance(default, Namespace) else default
+        elif isinstance(default, Namespace):
+            cfg[name] = walk(value, default, name)
+        elif isinstance(default, dict) and not isinstance(value, (dict, Namespace)):
+            raise ConfigError(f"{name}: expected a mapping of keys, got {value!r}")
 
 
 def _accelerator_from_context(context: ContextConfig) -> Optional[str]:
@@ -335,8 +384,10 @@ def _check_training(t: TrainingConfig) -> None:
         value = getattr(t, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"training.{name}: must be a positive integer, got {value!r}")
-    if t.max_norm < 0:
-        raise ConfigError(f"training.max_norm: must be >= 0 (0 disables clipping), got {t.max_norm!r}")
+    if not math.isfinite(t.max_norm) or t.max_norm < 0:
+        raise ConfigError(f"training.max_norm: must be a finite number >= 0 (0 disables clipping), got {t.max_norm!r}")
+    if isinstance(t.seed, bool) or not isinstance(t.seed, int) or not 0 <= t.seed < 2 ** 32:
+        raise ConfigError(f"training.seed: must be an integer in [0, 2**32), got {t.seed!r}")
 
 
 def _check_optimizer(section: dict) -> None:

@@ -148,8 +148,8 @@ def resolve_schedule(lr_section: dict, total_steps: int) -> Schedule:
         raise ConfigError(f"lr_scheduler.type: unknown schedule {kind!r}; supported: {', '.join(SUPPORTED_SCHEDULES)}")
     _warn_unused_keys(section, kind, total_steps)
 
-    peak = _number(section, "learning_rate", DEFAULT_LEARNING_RATE)
-    if peak <= 0:
+    peak = _number(section, "learning_rate", DEFAULT_LEARNING_RATE, minimum=None)
+    if not peak > 0:
         raise ConfigError(f"{_field('learning_rate')}: must be > 0, got {section['learning_rate']!r}")
     T = total_steps
     common = dict(type=kind, learning_rate=peak, total_steps=T,

@@ -59,6 +59,15 @@ BAD_CONFIGS = [
     ("checkpoint.load_path", "/nonexistent/ckpt", ["load_path", "/nonexistent/ckpt"]),
     ("context.device_target", "tpu", ["device_target", "tpu"]),
     ("train_dataset.dataloader.config.seq_length", 64, ["seq_length", "64"]),
+    ("training.max_norm", float("nan"), ["max_norm", "nan"]),
+    ("training.seed", -1, ["training.seed", "-1"]),
+    ("lr_scheduler.learning_rate", -1.0, ["learning_rate", "> 0"]),
+    ("training", 5, ["training", "mapping", "5"]),
+    ("checkpoint", [1, 2], ["checkpoint", "mapping"]),
+    ("monitor.tensorboard", 3, ["monitor.tensorboard", "mapping"]),
+    ("trainer.gradient_clip_val", 1.0, ["trainer.gradient_clip_val", "training.max_norm"]),
+    ("trainer.accumulate_grad_batches", 2, ["trainer.accumulate_grad_batches", "training.global_batch_size"]),
+    ("trainer.max_steps", -5, ["trainer", "max_steps", "-5"]),
 ]
 
 
@@ -120,3 +129,14 @@ def test_bad_config_in_a_real_process_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "bogus" in lines[0], proc.stderr
+
+
+def test_empty_sections_take_their_defaults(tmp_path, capsys):
+    """A section whose keys are all commented out (YAML null) means its defaults, at any depth."""
+    path = write_config(tmp_path, tiny_config(tmp_path, steps=1))
+    extra = tmp_path / "empty.yaml"
+    extra.write_text("profiler:\nrecompute:\nmonitor:\n  tensorboard:\n")
+    code = main(["fit", "--config", str(path), "--config", str(extra),
+                 "--monitor.tensorboard.output_dir", str(tmp_path / "tb")])
+    assert code == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
