@@ -106,6 +106,43 @@ class LitMoE(LightningModule):
     # ------------------------------------------------------------------------------------------
     # the training step
     # ------------------------------------------------------------------------------------------
+    def _consumed_before(self, batch: dict[str, torch.Tensor]) -> Optional[int]:
+        """The data module's consumed-samples count before this micro-batch (it counts a batch when
+        it is transferred, i.e. already), or None without such a data module."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "consumed_samples") or not batch:
+            return None
+        rows = int(next(iter(batch.values())).shape[0])
+        return int(dm.consumed_samples) - rows * int(getattr(dm, "dp_size", 1))
+
+    def discard_unfinished_window(self) -> None:
+        """Training stopped between optimizer steps (``max_time``, a callback's ``should_stop``, an
+        epoch limit): the micro-batches of the unfinished accumulation window never reached the
+        weights. Their gradients and routing counts are dropped and their samples given back to the
+        data module, so the final checkpoint resumes with exactly those samples."""
+        if self._micro_step == 0:
+            return
+        dm = getattr(self.trainer, "datamodule", None)
+        start = getattr(self, "_window_start_samples", None)
+        if dm is not None and start is not None:
+            dm.consumed_samples = start
+        self.model.zero_grad(set_to_none=True)
+        for m in self.model.moe_layers():
+            m.tokens_per_expert.zero_()
+            m.reset_drop_counters()
+        self._micro_step = 0
+
+    def on_train_start(self) -> None:
+        self._last_step_end: Optional[float] = time.perf_counter()
+
+    def _step_wall_time(self) -> float:
+        """Wall time since the previous step ended (the first: since training started): data
+        fetching, every micro-batch and the previous step's callbacks (saves, logging) included."""
+        now = time.perf_counter()
+        start = getattr(self, "_last_step_end", None) or self._step_start
+        self._last_step_end = now
+        return now - start
+
     def _reset_step_accumulators(self) -> None:
         self._loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, aux, mtp (each already / A)
         self._has_aux = False
@@ -119,6 +156,7 @@ class LitMoE(LightningModule):
         A = self.accumulation_steps
         if self._micro_step == 0:
             self._reset_step_accumulators()
+            self._window_start_samples = self._consumed_before(batch)
         last = self._micro_step == A - 1
         strategy = self.trainer.strategy
         if hasattr(strategy, "set_gradient_sync") and A > 1:
@@ -155,7 +193,10 @@ class LitMoE(LightningModule):
         layers = self.model.moe_layers()
         if not layers:
             return
-        vals = torch.stack([torch.as_tensor(m.last_stats.get("aux_loss", 0.0)).detach().double().cpu()
+        # kept on the device (no sync per micro-batch); averaged over ranks with the step's counts
+        device = _local(layers[0].tokens_per_expert).device
+        vals = torch.stack([_local(m.last_stats["aux_loss"]).detach().float().to(device)
+                            if "aux_loss" in m.last_stats else torch.zeros((), device=device)
                             for m in layers])
         self._moe_aux_sum = vals if self._moe_aux_sum is None else self._moe_aux_sum + vals
 
@@ -218,12 +259,18 @@ class LitMoE(LightningModule):
             return None
         counts = torch.stack([_local(m.tokens_per_expert).detach().float() for m in layers])
         # Capacity drops of this step: dropped and routed token-expert assignments per layer.
+        # Third column: this step's balancing loss per layer (summed over micro-batches), averaged
+        # over the same ranks below.
+        aux_sum = self._moe_aux_sum if self._moe_aux_sum is not None else counts.new_zeros(len(layers))
         extra = torch.stack([torch.stack([_local(m.dropped_assignments).float(),
                                           _local(m.total_assignments).float()]) for m in layers]).to(counts.device)
+        extra = torch.cat([extra, aux_sum.to(extra)[:, None]], dim=1)
+        ranks = 1
         if _dist_ready():
             group = self._count_group()
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)
+            ranks = dist.get_world_size(group)
         if apply and self.model_config.moe_router_enable_expert_bias:
             self.model.update_expert_bias(counts)
         else:
@@ -235,7 +282,7 @@ class LitMoE(LightningModule):
         coeff = float(getattr(self.model_config, "moe_aux_loss_coeff", 0.0) or 0.0)
         if self._moe_aux_sum is not None and coeff > 0:
             # Logged per layer without the coefficient, as MindFormers' load_balancing_loss.
-            aux = self._moe_aux_sum / self.accumulation_steps / coeff
+            aux = extra[:, 2].double().cpu() / ranks / self.accumulation_steps / coeff
         bias = torch.stack([_local(m.router.expert_bias).detach().float().cpu() for m in layers])
         return {
             "tokens_per_expert": counts.cpu(),
@@ -273,7 +320,7 @@ class LitMoE(LightningModule):
             "skipped_steps": self.skipped_steps,
             "consumed_samples": step * self.training_config.global_batch_size,
             "tokens": tokens_total,
-            "step_time": time.perf_counter() - self._step_start,
+            "step_time": self._step_wall_time(),
             "micro_losses": list(self._micro_losses),
             "moe": moe,
         }

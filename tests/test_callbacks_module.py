@@ -123,3 +123,37 @@ def test_cli_skip_limit_stops_with_one_line_and_no_checkpoint_of_the_bad_step(tm
     assert record.read_text().split() == ["1", "True"]
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir()) if (tmp_path / "ckpt").exists() else []
     assert "iteration_00000002" not in saved and not any(n.startswith(".iteration_00000002") for n in saved)
+
+
+class SlowDataAndRecordAux(L.Callback):
+    """Sleeps before every micro-batch (as slow data loading would) and records each micro-batch's
+    per-layer balancing loss as the MoE layers report it."""
+
+    def __init__(self, pause: float):
+        self.pause, self.aux = pause, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import time
+        time.sleep(self.pause)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.aux.append([float(m.last_stats["aux_loss"]) for m in pl_module.model.moe_layers()])
+
+
+def test_step_time_is_wall_time_and_layer_aux_is_the_step_mean(tmp_path):
+    """``step_time`` covers data fetching and callbacks (2 micro-batches x 0.2 s of sleep per step),
+    and the per-layer ``moe.aux_loss`` is the mean over the step's micro-batches without the
+    coefficient."""
+    steps, pause = 2, 0.2
+    module = tiny_module(steps)
+    rec, snap = SlowDataAndRecordAux(pause), Snapshot()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2 * steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[rec, snap])
+    trainer.fit(module, loader(steps))
+    coeff = module.model_config.moe_aux_loss_coeff
+    for step in (1, 2):
+        m = snap.metrics[step]
+        assert m["step_time"] >= 2 * pause
+        micro = torch.tensor(rec.aux[2 * (step - 1): 2 * step], dtype=torch.float64)   # [2, layers]
+        torch.testing.assert_close(m["moe"]["aux_loss"], micro.mean(0) / coeff, rtol=1e-6, atol=0)

@@ -136,7 +136,7 @@ def test_empty_sections_take_their_defaults(tmp_path, capsys):
     path = write_config(tmp_path, tiny_config(tmp_path, steps=1))
     extra = tmp_path / "empty.yaml"
     extra.write_text("profiler:\nrecompute:\nmonitor:\n  tensorboard:\n")
-    code = main(["fit", "--config", str(path), "--config", str(extra),
-                 "--monitor.tensorboard.output_dir", str(tmp_path / "tb")])
-    assert code == 0, capsys.readouterr().err
-    assert "Traceback" not in capsys.readouterr().err
+    proc = run_cli(["fit", "--config", str(path), "--config", str(extra),
+                    "--monitor.tensorboard.output_dir", str(tmp_path / "tb")], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "step 1/1" in proc.stdout + proc.stderr

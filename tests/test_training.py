@@ -51,3 +51,18 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path):
     assert len(runs[0]) == 3
     assert [r["loss_hex"] for r in runs[0]] == [r["loss_hex"] for r in runs[1]]
     assert [r["first_tokens"] for r in runs[0]] == [r["first_tokens"] for r in runs[1]]
+
+
+def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path):
+    """Training that stops between optimizer steps (here: the epoch limit after 3 micro-batches with
+    A = 2) saves a final checkpoint whose data position is the end of the last finished step, so a
+    resume reads the unfinished window's samples again instead of skipping them."""
+    cfg = tiny_config(tmp_path, steps=10)           # local batch 2, global 4: A = 2
+    cfg["checkpoint"]["enable_save"] = True
+    cfg["trainer"] = {"max_epochs": 1, "limit_train_batches": 3}
+    proc = run_cli(["fit", "--config", str(write_config(tmp_path, cfg))], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    common = json.loads((tmp_path / "ckpt" / "iteration_00000001" / "common.json").read_text())
+    state = common["trainer_state"]
+    assert state["global_step"] == 1
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed_samples": 4}]

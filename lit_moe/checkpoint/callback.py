@@ -109,6 +109,9 @@ class IterationCheckpoint(Callback):
             self.save(trainer, step)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        discard = getattr(pl_module, "discard_unfinished_window", None)
+        if callable(discard):   # stopped mid-accumulation: those samples are read again on resume
+            discard()
         if self.cfg.enable_save and not self._failed and trainer.global_step != self._last_saved:
             self.save(trainer, trainer.global_step)
         self.wait()
