@@ -541,3 +541,25 @@ def test_throughput_feeds_console_line(capsys):
     line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step 1")][0]
     # 32 tokens / 0.25 s = 128 tokens/s; 1e6·128 = 1.28e8 FLOP/s = 0.128% of 1e11
     assert "tokens/s 128.0" in line and "mfu 0.13%" in line and "step_time 250ms" in line
+
+
+def test_skip_guard_consecutive_count_survives_a_resume():
+    """The guard's counters are callback state (saved in checkpoints): after a resume in the middle of
+    a run of skipped steps, the limit counts the skips from before the save too."""
+    trainer = SimpleNamespace(is_global_zero=False, global_step=5)
+    pl_module = SimpleNamespace(step_metrics={"step": 5})
+    before = GlobalNormSkipGuard(1.0, 2, None)
+    assert before.should_skip(trainer, pl_module, torch.tensor(5.0)) is True
+    assert before.should_skip(trainer, pl_module, torch.tensor(5.0)) is True
+    after = GlobalNormSkipGuard(1.0, 2, None)
+    after.load_state_dict(before.state_dict())
+    assert after.state_dict() == {"consecutive": 2, "total_skipped": 2}
+    with pytest.raises(SkipLimitExceeded):
+        after.should_skip(trainer, pl_module, torch.tensor(5.0))
+
+
+@pytest.mark.parametrize("make", [lambda: ThroughputMFU(log_interval=0), lambda: StepLogger(log_interval=0),
+                                  lambda: MoEMetrics(log_interval=0)])
+def test_user_callbacks_reject_a_zero_log_interval(make):
+    with pytest.raises(ConfigError, match=r"\w+\.log_interval: must be an int >= 1"):
+        make()

@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lit_moe.config import ConfigError
+
 
 # ----------------------------------------------------------------------------------------------
 # step metrics
@@ -141,3 +143,10 @@ def add_png(writer: Any, tag: str, png: bytes, height: int, width: int, step: in
     image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
     summary = Summary(value=[Summary.Value(tag=tag, image=image)])
     writer._get_file_writer().add_summary(summary, step)
+
+
+def check_log_interval(value: Any, field: str = "monitor.tensorboard.log_interval") -> int:
+    """A logging interval: an int >= 1 (``field`` names it in the error)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{field}: must be an int >= 1, got {value!r}")
+    return value

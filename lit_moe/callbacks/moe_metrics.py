@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, add_png, add_scalar, emit, is_log_step, tb_writer
+from lit_moe.callbacks._common import StepWatcher, add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.callbacks.heatmap import encode_png, heatmap_image
 
 DEFAULT_EXPERT_INTERVAL = 50
@@ -107,7 +107,7 @@ class MoEMetrics(Callback, StepWatcher):
                  target_layers: Union[None, int, list[int]] = None,
                  heatmap_dir: Optional[str] = None, drop_rate: Optional[bool] = None) -> None:
         field = "monitor.moe_monitor"
-        self.log_interval = log_interval
+        self.log_interval = check_log_interval(log_interval, "MoEMetrics.log_interval")
         self.expert_interval = (_check_interval(save_tokens_per_expert_interval,
                                                 f"{field}.save_tokens_per_expert_interval")
                                 or DEFAULT_EXPERT_INTERVAL)

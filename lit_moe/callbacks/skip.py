@@ -112,6 +112,14 @@ class GlobalNormSkipGuard(StepGuard):
                                f"{self.embedding_threshold:g}")
         return reasons
 
+    def state_dict(self) -> dict[str, int]:
+        # saved with the checkpoint: a resume continues the count of consecutive skips
+        return {"consecutive": self.consecutive, "total_skipped": self.total_skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consecutive = int(state_dict.get("consecutive", 0))
+        self.total_skipped = int(state_dict.get("total_skipped", 0))
+
     def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
         reasons = self._reasons(pl_module, grad_norm)
         step = steps_done(trainer, pl_module) + 1

@@ -18,14 +18,9 @@ from typing import Any, Optional
 import yaml
 from lightning.pytorch import Callback
 
-from lit_moe.config import ConfigError, to_dict
-from lit_moe.callbacks._common import StepWatcher, add_scalar, emit, fmt, is_log_step, tb_writer
-
-
-def check_log_interval(value: Any, field: str = "monitor.tensorboard.log_interval") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{field}: must be an int >= 1, got {value!r}")
-    return value
+from lit_moe.config import to_dict
+from lit_moe.callbacks._common import (StepWatcher, add_scalar, check_log_interval, emit, fmt, is_log_step,
+                                      tb_writer)
 
 
 def config_as_markdown(resolved_config: Any) -> str:
@@ -50,7 +45,7 @@ class StepLogger(Callback, StepWatcher):
 
     def __init__(self, log_interval: int = 1, total_steps: Optional[int] = None,
                  resolved_config: Any = None) -> None:
-        self.log_interval = check_log_interval(log_interval)
+        self.log_interval = check_log_interval(log_interval, "StepLogger.log_interval")
         self.total_steps = total_steps
         self.resolved_config = resolved_config
         self._config_written = False

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, add_scalar, emit, is_log_step, tb_writer
+from lit_moe.callbacks._common import StepWatcher, add_scalar, check_log_interval, emit, is_log_step, tb_writer
 
 # Peak dense bf16 tensor FLOP/s per device, matched as a substring of the device name lower-cased
 # with spaces and dashes removed. First match wins, so specific names come first.
@@ -174,7 +174,7 @@ class ThroughputMFU(Callback, StepWatcher):
         self.flops_per_token = flops_per_token
         self.peak_flops = float(peak_flops) if peak_flops is not None else None
         self.peak_source = "given" if peak_flops is not None else None
-        self.log_interval = log_interval
+        self.log_interval = check_log_interval(log_interval, "ThroughputMFU.log_interval")
         self._last_end: Optional[float] = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
