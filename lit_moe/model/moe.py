@@ -367,7 +367,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, H = x.shape
-        T, K, E = B * S, self.top_k, self.num_experts
+        T, K = B * S, self.top_k
         flat_x = x.reshape(T, H)
         weights, indices, scores = self.router(flat_x)
         routed = self._dispatch_combine(flat_x, weights, indices)

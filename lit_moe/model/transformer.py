@@ -23,7 +23,7 @@ from lit_moe.model.compile import compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.model.mtp import MTPLayer
-from lit_moe.ops import LayerNorm, Linear, LMHead, RMSNorm, build_norm
+from lit_moe.ops import LayerNorm, LMHead, RMSNorm, build_norm
 
 
 @dataclass
