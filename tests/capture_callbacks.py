@@ -46,3 +46,21 @@ class StepRecorder(Callback):
             row["first_tokens"] = batch["input_ids"][0, :8].tolist()
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+class MoEAuxRecorder(Callback):
+    """Per rank: each micro-batch's per-layer balancing loss as the MoE layers report it, and the
+    step's per-layer ``step_metrics["moe"]["aux_loss"]``, as JSON lines in ``{path}.rank{r}``."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.micro = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.micro.append([float(m.last_stats["aux_loss"]) for m in pl_module.model.moe_layers()])
+        if (batch_idx + 1) % pl_module.accumulation_steps:
+            return
+        row = {"micro": self.micro, "logged": pl_module.step_metrics["moe"]["aux_loss"].tolist(),
+               "coeff": pl_module.model_config.moe_aux_loss_coeff}
+        self.micro = []
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+            f.write(json.dumps(row) + "\n")
