@@ -8,7 +8,8 @@
 What is timed
 -------------
 * **lit_moe**, one worker per variant (``--lit``; on the CPU preset ``eager``, the defaults, and
-  ``compile``, the model section's ``torch_compile: True``): ``lit_moe fit --config <generated yaml>`` run in-process (``lit_moe.cli.main``): the
+  ``compile``, the model section's ``torch_compile: True``): ``lit_moe fit --config <generated yaml>``
+  run in-process (``lit_moe.cli.main``): the
   ``LitMoE`` LightningModule (manual optimization: forward, backward, global grad norm, clipping, AdamW,
   LR schedule, expert-bias update, step metrics), the ``AscendFSDPStrategy``, the Megatron mock-data
   DataModule (``num_parallel_workers: 0``: fetching the batch is inside the timed step) and every

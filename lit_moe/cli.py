@@ -12,7 +12,6 @@ programs living next to the code they drive.
 
 from __future__ import annotations
 
-
 import importlib
 import math
 import os

@@ -64,6 +64,8 @@ class LitMoE(LightningModule):
         self.step_metrics: dict[str, Any] = {}
         self.skipped_steps = 0
         self._micro_step = 0
+        self._window_start_samples: Optional[int] = None   # data position where this accumulation window began
+        self._last_step_end: Optional[float] = None         # wall clock of the previous step's end
         self._reset_step_accumulators()
 
     # ------------------------------------------------------------------------------------------
@@ -123,9 +125,8 @@ class LitMoE(LightningModule):
         if self._micro_step == 0:
             return
         dm = getattr(self.trainer, "datamodule", None)
-        start = getattr(self, "_window_start_samples", None)
-        if dm is not None and start is not None:
-            dm.consumed_samples = start
+        if dm is not None and self._window_start_samples is not None:
+            dm.consumed_samples = self._window_start_samples
         self.model.zero_grad(set_to_none=True)
         for m in self.model.moe_layers():
             m.tokens_per_expert.zero_()
@@ -133,13 +134,13 @@ class LitMoE(LightningModule):
         self._micro_step = 0
 
     def on_train_start(self) -> None:
-        self._last_step_end: Optional[float] = time.perf_counter()
+        self._last_step_end = time.perf_counter()
 
     def _step_wall_time(self) -> float:
         """Wall time since the previous step ended (the first: since training started): data
         fetching, every micro-batch and the previous step's callbacks (saves, logging) included."""
         now = time.perf_counter()
-        start = getattr(self, "_last_step_end", None) or self._step_start
+        start = self._last_step_end if self._last_step_end is not None else self._step_start
         self._last_step_end = now
         return now - start
 

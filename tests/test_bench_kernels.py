@@ -167,17 +167,21 @@ def fresh_compile_cache(monkeypatch):
     monkeypatch.setattr(compile_mod, "_COMPILED", {})
 
 
-def test_torch_compile_switch_matches_eager(monkeypatch, fresh_compile_cache):
-    # aot_eager: dynamo's capture and AOT autograd's forward/backward split, without a C++ build
+def _eager_and_compiled(monkeypatch, cfg: dict):
+    """The same model eager and with ``torch_compile: True`` (aot_eager: dynamo's capture and AOT
+    autograd's forward/backward split, without a C++ build), one training forward/backward each."""
     monkeypatch.setattr(compile_mod.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    cfg = {**TINY, "num_nextn_predict_layers": 1}
     torch.manual_seed(0)
     eager = DeepseekV3ForCausalLM(cfg).train()
     torch.manual_seed(0)
     comp = DeepseekV3ForCausalLM({**cfg, "torch_compile": True}).train()
     ids = torch.randint(0, 97, (2, 16))
-    a, ga, ca = _fwd_bwd(eager, ids)
-    b, gb, cb = _fwd_bwd(comp, ids)
+    return eager, comp, ids, _fwd_bwd(eager, ids), _fwd_bwd(comp, ids)
+
+
+def test_torch_compile_switch_matches_eager(monkeypatch, fresh_compile_cache):
+    eager, comp, ids, (a, ga, ca), (b, gb, cb) = _eager_and_compiled(
+        monkeypatch, {**TINY, "num_nextn_predict_layers": 1})
     assert set(compile_mod._COMPILED) >= {type(comp.layers[0])._forward}
     assert a.logits is None and b.logits is None          # training: the fused head, not compiled
     with torch.no_grad():                                 # without grad: the compiled norm + head + loss
@@ -196,19 +200,12 @@ def test_torch_compile_switch_matches_eager(monkeypatch, fresh_compile_cache):
 def test_torch_compile_bf16_grouped_experts_match_eager(monkeypatch, fresh_compile_cache):
     """bf16 on CPU: compiled, the experts' grouped GEMMs run on the static buffer whose rows past the
     last group are never computed; nothing of them may reach the outputs or gradients."""
-    monkeypatch.setattr(compile_mod.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    cfg = {**TINY, "compute_dtype": "bfloat16", "moe_intermediate_size": 24}   # 16-byte aligned rows
     calls = []
     original = moe_mod.GroupedExperts._aligned_grouped_mm
     monkeypatch.setattr(moe_mod.GroupedExperts, "_aligned_grouped_mm",
                         lambda self, *a: calls.append(torch.compiler.is_compiling()) or original(self, *a))
-    torch.manual_seed(0)
-    eager = DeepseekV3ForCausalLM(cfg).train()
-    torch.manual_seed(0)
-    comp = DeepseekV3ForCausalLM({**cfg, "torch_compile": True}).train()
-    ids = torch.randint(0, 97, (2, 16))
-    a, ga, ca = _fwd_bwd(eager, ids)
-    b, gb, cb = _fwd_bwd(comp, ids)
+    _, _, _, (a, ga, ca), (b, gb, cb) = _eager_and_compiled(
+        monkeypatch, {**TINY, "compute_dtype": "bfloat16", "moe_intermediate_size": 24})   # 16-byte aligned rows
     assert False in calls and True in calls          # both paths ran
     assert not any(c.failed for c in compile_mod._COMPILED.values())
     torch.testing.assert_close(b.loss, a.loss, atol=1e-4, rtol=1e-3)
