@@ -1,0 +1,479 @@
+"""Pipeline parallelism: DeepSeek-V3 split into stages, run by ``torch.distributed.pipelining``.
+
+Keys (MindFormers ``parallelism`` section)::
+
+    pipeline_parallel                    P, pipeline ranks
+    pipeline_parallel_interleave_num     V, virtual stages per rank (P·V stages in all)
+    pipeline_parallel_schedule           1f1b | interleaved_1f1b | gpipe (+ interleaved_zb, zbv)
+    pipeline_parallel_layers_per_stage   "auto" or one string per rank: V comma-separated
+                                         inclusive ranges "a-b" (or "a"), chunk c of rank r is
+                                         stage c·P + r (MindFormers' PpLayerSetting)
+    pipeline_parallel_microbatch_size    overwritten with the accumulation steps A (MindFormers)
+
+``1f1b`` with V > 1 becomes ``interleaved_1f1b`` (MindFormers' ``_infer_schedule_type``). The
+zero-bubble schedules of torch (``interleaved_zb``: looped stages, ``zbv``: V-shaped, exactly two
+stages per rank) are an extension.
+
+Stage s holds decoder layers ``ranges[s]`` (their global indices kept: parameter names, layer ids
+of recompute and checkpoints are those of the whole model); the first stage also holds the
+embedding, the last the final norm, head and the MTP layers. MTP needs the embedding on the last
+stage too: it holds a copy whose gradient is summed with the first stage's after every step
+(Megatron's embedding group), so both copies take identical optimizer steps.
+
+Every micro-batch's objective is ``(loss + aux_loss + mtp_loss) / A`` as on one process. The MoE
+balancing losses of a stage that is not the last reach the backward through
+:class:`AuxLossBackward` (Megatron's ``MoEAuxLossAutoScaler``): identity on the hidden state
+forward, the aux loss' gradient ``1/A`` injected backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_moe.config import ConfigError
+from lit_moe.model.attention import AttentionContext
+from lit_moe.model.transformer import DeepseekV3ForCausalLM
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")
+_MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+
+
+class PipelineError(ConfigError):
+    """An impossible pipeline layout; the message names the ``parallelism`` key and the numbers."""
+
+
+# ----------------------------------------------------------------------------------------------
+# layout: schedule, layer split, stage placement
+# ----------------------------------------------------------------------------------------------
+def resolve_schedule(schedule: Optional[str], interleave: int) -> str:
+    """The schedule MindFormers would run: ``1f1b`` becomes ``interleaved_1f1b`` with V > 1."""
+    name = (schedule or "1f1b").lower()
+    if name not in SCHEDULES:
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: {schedule!r} is not one of "
+                            f"{', '.join(SCHEDULES)}")
+    if name == "1f1b" and interleave > 1:
+        name = "interleaved_1f1b"
+    if name == "gpipe" and interleave > 1:
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: gpipe runs one stage per rank, but "
+                            f"pipeline_parallel_interleave_num is {interleave}; use interleaved_1f1b")
+    if name in ("interleaved_1f1b", "interleaved_zb") and interleave < 2:
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: {name} needs "
+                            f"pipeline_parallel_interleave_num > 1, got {interleave}; use 1f1b")
+    if name == "zbv" and interleave != 2:
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: zbv runs exactly 2 stages per rank, "
+                            f"but pipeline_parallel_interleave_num is {interleave}")
+    return name
+
+
+def _parse_range(text: str, rank: int) -> tuple[int, int]:
+    parts = text.strip().split("-")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        start, end = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank}: {text.strip()!r} is "
+                            "not a layer range 'a-b' or a layer 'a'") from None
+    if start < 0 or start > end:
+        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank}: range {text.strip()!r} "
+                            "must have 0 <= start <= end")
+    return start, end + 1
+
+
+def split_layers(spec: Any, num_layers: int, pp: int, interleave: int = 1) -> list[tuple[int, int]]:
+    """Half-open layer ranges ``[start, end)`` of the ``pp · interleave`` stages, in stage order.
+
+    ``spec``: ``"auto"`` (even split; the layer count must divide) or MindFormers' explicit form, a
+    list of ``pp`` strings each with ``interleave`` comma-separated inclusive ranges (also accepted:
+    one string with the ranks separated by ``|``). Uneven stages are allowed; together the ranges
+    must cover ``0..num_layers-1`` once, in stage order."""
+    stages = pp * interleave
+    if spec is None or spec == "auto":
+        if num_layers % stages:
+            raise PipelineError(
+                f"parallelism.pipeline_parallel_layers_per_stage: 'auto' needs model.num_hidden_layers "
+                f"{num_layers} divisible by pipeline_parallel {pp} * pipeline_parallel_interleave_num "
+                f"{interleave} = {stages}; give explicit ranges instead")
+        per = num_layers // stages
+        return [(s * per, (s + 1) * per) for s in range(stages)]
+    if isinstance(spec, str):
+        spec = spec.split("|")
+    if not isinstance(spec, (list, tuple)) or not all(isinstance(s, str) for s in spec):
+        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: expected 'auto' or a list of "
+                            f"{pp} strings such as '0-3', got {spec!r}")
+    if len(spec) != pp:
+        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: {len(spec)} entries, but "
+                            f"pipeline_parallel is {pp} (one string per pipeline rank)")
+    ranges: list[Optional[tuple[int, int]]] = [None] * stages
+    for rank, text in enumerate(spec):
+        chunks = text.split(",")
+        if len(chunks) != interleave:
+            raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank} has {len(chunks)} "
+                                f"range(s) in {text!r}, but pipeline_parallel_interleave_num is {interleave}")
+        for chunk, r in enumerate(chunks):
+            ranges[chunk * pp + rank] = _parse_range(r, rank)
+    expected = 0
+    for s, (start, end) in enumerate(ranges):  # type: ignore[misc]
+        if start != expected:
+            raise PipelineError(
+                f"parallelism.pipeline_parallel_layers_per_stage: stage {s} starts at layer {start}, expected "
+                f"{expected} (stage c*pipeline_parallel + r is chunk c of rank r; the ranges must cover layers "
+                f"0..{num_layers - 1} once, in stage order)")
+        expected = end
+    if expected != num_layers:
+        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: the ranges end at layer {expected - 1}, "
+                            f"but model.num_hidden_layers is {num_layers}")
+    return ranges  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which stages exist, which layers each holds and which rank runs it."""
+
+    pp: int
+    interleave: int
+    schedule: str
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_config(cls, parallelism: Any, num_layers: int) -> "PipelineLayout":
+        pp = int(getattr(parallelism, "pipeline_parallel", 1))
+        v = int(getattr(parallelism, "pipeline_parallel_interleave_num", 1) or 1)
+        if v < 1:
+            raise PipelineError(f"parallelism.pipeline_parallel_interleave_num: must be >= 1, got {v}")
+        schedule = resolve_schedule(getattr(parallelism, "pipeline_parallel_schedule", "1f1b"), v)
+        spec = getattr(parallelism, "pipeline_parallel_layers_per_stage", "auto")
+        return cls(pp, v, schedule, tuple(split_layers(spec, num_layers, pp, v)))
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.interleave
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.schedule in _MULTI_STAGE
+
+    def rank_of(self, stage: int) -> int:
+        """Looped placement (stage s on rank s mod P); ``zbv``: V shape (rank r holds r and 2P-1-r)."""
+        chunk, r = divmod(stage, self.pp)
+        return self.pp - 1 - r if self.schedule == "zbv" and chunk % 2 else r
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+
+    def check_microbatches(self, accumulation_steps: int, global_batch_size: Any = None) -> None:
+        """One line naming ``training.global_batch_size`` when A cannot fill the schedule."""
+        A, P = accumulation_steps, self.pp
+        need = 1 if self.schedule == "gpipe" else P
+        rounds = max(1, A // P)
+        ok = A >= need and (not self.multi_stage or A % rounds == 0)
+        if not ok:
+            gbs = f" {global_batch_size}" if global_batch_size is not None else ""
+            rule = f">= {need}" + (f" and a multiple of max(1, A // {P})" if self.multi_stage else "")
+            raise PipelineError(
+                f"training.global_batch_size{gbs} gives {A} micro-batches per step (global_batch_size / "
+                f"(data_parallel * local_batch_size)), but pipeline schedule {self.schedule} with pipeline_parallel "
+                f"{P} needs {rule}: raise global_batch_size")
+
+    def describe(self) -> list[str]:
+        lines = [f"pipeline_parallel {self.pp} x interleave {self.interleave} = {self.num_stages} stages, "
+                 f"schedule {self.schedule}"]
+        for s, (a, b) in enumerate(self.ranges):
+            extra = (" + embedding" if s == 0 else "") + (" + norm, head, MTP" if s == self.num_stages - 1 else "")
+            lines.append(f"  stage {s} (rank {self.rank_of(s)}): layers {a}-{b - 1}{extra}")
+        return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage model
+# ----------------------------------------------------------------------------------------------
+class AuxLossBackward(torch.autograd.Function):
+    """Forward: ``hidden`` unchanged. Backward: ``hidden``'s gradient, and ``scale`` for ``aux``, so
+    a stage's balancing losses are part of the objective without travelling to the last stage."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        # detach(): the same storage, not a view (the zero-bubble schedules detach the stage output
+        # in place, which a view refuses)
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class DeepseekV3Stage(DeepseekV3ForCausalLM):
+    """The part of a :class:`DeepseekV3ForCausalLM` that one pipeline stage (or, as a container,
+    one rank) holds: decoder layers ``layer_ids`` (names keep their global index:
+    ``layers.{i}.…``), the embedding with ``first`` (or with ``last`` and MTP), final norm, head and
+    MTP layers with ``last``. Shares the modules of ``model`` (no copy): build it on the meta device.
+
+    ``forward(x, input_ids, labels, …)``: ``x`` is the token ids on the first stage and the hidden
+    state elsewhere; the other tensors are the micro-batch's (every stage receives them). A stage
+    that is not the last returns the hidden state; the last returns ``[loss, aux_loss, mtp_loss]``.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM, layer_ids: Sequence[int], first: bool, last: bool):
+        nn.Module.__init__(self)
+        self.config = model.config
+        self.loss_function = model.loss_function
+        self.compute_dtype = model.compute_dtype
+        self.is_first, self.is_last = bool(first), bool(last)
+        self.layer_ids = list(layer_ids)
+        mtp = self.is_last and len(model.mtp) > 0
+        self.embed_tokens = model.embed_tokens if (self.is_first or mtp) else None
+        self.position_embeddings = model.position_embeddings if (self.is_first or mtp) else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_ids})
+        self.norm = model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+        self.mtp = model.mtp if self.is_last else nn.ModuleList()
+        self._main_moe = [m for layer in self.layers.values() for m in layer.modules() if _is_moe(m)]
+        self._mtp_moe = [m for layer in self.mtp for m in layer.modules() if _is_moe(m)]
+        self.aux_grad_scale = 1.0   # backward weight of the balancing losses (1/A, set per step)
+        self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp] (detached)
+        self.moe_aux_sum: Optional[torch.Tensor] = None   # per local MoE layer, summed over micro-batches
+
+    def blocks(self) -> list[nn.Module]:
+        return [*self.layers.values(), *(m.layer for m in self.mtp)]
+
+    def block_ids(self) -> list[int]:
+        """Global layer ids of :meth:`blocks` (MTP layers follow the decoder layers)."""
+        L = self.config.num_hidden_layers
+        return [*self.layer_ids, *(L + k for k in range(len(self.mtp)))]
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                actual_seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)
+        position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
+        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
+        h = self.embed(x, position_ids) if self.is_first else x
+        for layer in self.layers.values():
+            h = layer(h, ctx)
+        self._collect_moe_aux(self._main_moe)
+        aux = self._take_aux(self._main_moe)
+        if not self.is_last:
+            if aux is not None and torch.is_grad_enabled():
+                self.step_stats.append(torch.stack([aux.new_zeros(()), aux.detach().float(), aux.new_zeros(())]))
+                h = AuxLossBackward.apply(h, aux, self.aux_grad_scale)
+            return h
+        if labels is None:
+            raise ValueError("the last pipeline stage needs labels")
+        mask = labels != -100
+        if loss_mask is not None:
+            mask = mask & (loss_mask != 0)
+        if self._fused_loss():
+            h = self.norm(h)
+            loss = self.lm_head(h, labels, mask)
+        else:
+            h, _, loss = self._head(h, labels, mask)
+        mtp = loss.new_zeros((), dtype=torch.float32)
+        if len(self.mtp):
+            mtp = self._mtp_forward(h, input_ids, labels, mask, position_ids, ctx)
+            self._collect_moe_aux(self._mtp_moe)
+            mtp_aux = self._take_aux(self._mtp_moe)
+            if mtp_aux is not None:
+                mtp_aux = mtp_aux / len(self.mtp)
+                aux = mtp_aux if aux is None else aux + mtp_aux
+        if aux is None:
+            aux = loss.new_zeros((), dtype=torch.float32)
+        out = torch.stack([loss.float(), aux.float(), mtp.float()])
+        self.step_stats.append(out.detach())
+        return out
+
+    def _collect_moe_aux(self, moes: list) -> None:
+        if not moes:
+            return
+        own = self._main_moe + self._mtp_moe
+        vals = torch.zeros(len(own), dtype=torch.float32, device=_local(own[0].tokens_per_expert).device)
+        for m in moes:
+            if "aux_loss" in m.last_stats:
+                vals[own.index(m)] = _local(m.last_stats["aux_loss"]).detach().float()
+        self.moe_aux_sum = vals if self.moe_aux_sum is None else self.moe_aux_sum + vals
+
+
+def _is_moe(module: nn.Module) -> bool:
+    from lit_moe.model.moe import MoE
+
+    return isinstance(module, MoE)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: int
+                ) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
+    """(this rank's container: every local part under its global names, the per-stage modules).
+
+    The container is what the optimizer, checkpoints and the training step see; the stage modules
+    share its sub-modules and are what ``PipelineStage`` runs."""
+    stages = layout.stages_of(pp_rank)
+    last = layout.num_stages - 1
+    parts = [DeepseekV3Stage(model, range(*layout.ranges[s]), first=s == 0, last=s == last) for s in stages]
+    ids = sorted(i for s in stages for i in range(*layout.ranges[s]))
+    container = DeepseekV3Stage(model, ids, first=0 in stages, last=last in stages)
+    return container, parts
+
+
+# ----------------------------------------------------------------------------------------------
+# running a step
+# ----------------------------------------------------------------------------------------------
+def _schedule_class(name: str):
+    from torch.distributed import pipelining as pl
+
+    return {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
+            "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+            "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
+            "zbv": pl.ScheduleZBVZeroBubble}[name]
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule that runs A micro-batches through them.
+
+    Args:
+        container, parts: from :func:`split_model` (after parallelisation and materialisation).
+        layout: the stage layout.
+        pp_group: the ranks of one pipeline (same position in every other dimension).
+        embedding_group: first and last pipeline rank of this pipeline (MTP's embedding copy), or None.
+        accumulation_steps: A, micro-batches per optimizer step (MindFormers writes it into
+            ``pipeline_parallel_microbatch_size``).
+        micro_batch: ``(rows, sequence length)`` of one micro-batch.
+        seq_divisor: the hidden state between stages holds ``sequence / seq_divisor`` positions
+            (tensor-parallel sequence split · context-parallel chunks).
+
+    The stages' input and output shapes are given to ``PipelineStage`` up front (its static mode):
+    its run-time inference would run an extra forward and backward on uninitialised tensors, which
+    would count tokens for the expert bias and run every collective of the stage.
+    """
+
+    def __init__(self, container: DeepseekV3Stage, parts: list[DeepseekV3Stage], layout: PipelineLayout,
+                 pp_group, device: torch.device, accumulation_steps: int, micro_batch: tuple[int, int],
+                 seq_divisor: int = 1, embedding_group: Optional[dist.ProcessGroup] = None) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        layout.check_microbatches(accumulation_steps)
+        self.container, self.parts, self.layout = container, parts, layout
+        self.pp_group, self.embedding_group = pp_group, embedding_group
+        self.accumulation_steps = A = int(accumulation_steps)
+        rank = dist.get_rank(pp_group)
+        b, S = micro_batch
+        cfg = container.config
+        meta = torch.device("meta")
+        hidden = torch.empty(b, S // seq_divisor, cfg.hidden_size, dtype=container.compute_dtype,
+                             device=meta, requires_grad=True)
+        ids = torch.empty(b, S, dtype=torch.long, device=meta)
+        losses = torch.empty(3, dtype=torch.float32, device=meta, requires_grad=True)
+        stages = [PipelineStage(part, s, layout.num_stages, device, group=pp_group,
+                                input_args=ids if s == 0 else hidden,
+                                output_args=losses if s == layout.num_stages - 1 else hidden)
+                  for part, s in zip(parts, layout.stages_of(rank))]
+        for part in parts:
+            part.aux_grad_scale = 1.0 / A
+        cls = _schedule_class(layout.schedule)
+        loss_fn = _objective(A)
+        if layout.multi_stage:
+            self.schedule = cls(stages, n_microbatches=A, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = cls(stages[0], n_microbatches=A, loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one optimizer step's ``A`` micro-batches (``batch``: them
+        concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss]`` of the step (each the mean
+        over micro-batches), the same on every pipeline rank (the last stage's loss and MTP, the
+        aux losses of all stages)."""
+        for part in self.parts:
+            part.step_stats.clear()
+            part.moe_aux_sum = None
+        batch = {k: v for k, v in batch.items() if v is not None}
+        self.schedule.step(batch["input_ids"], target=batch["input_ids"], **batch)
+        self.sync_embedding_grads()
+        return self.step_losses()
+
+    def step_losses(self) -> torch.Tensor:
+        device = _local(next(self.container.parameters())).device
+        total = torch.zeros(3, dtype=torch.float32, device=device)
+        for part in self.parts:
+            for s in part.step_stats:
+                total += s.to(device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total / self.accumulation_steps
+
+    def sync_embedding_grads(self) -> None:
+        """Sum the gradients of the embedding copies of the first and the last stage (MTP)."""
+        if self.embedding_group is None:
+            return
+        c = self.container
+        if not (c.is_first or c.is_last) or c.embed_tokens is None:
+            return
+        for p in _embedding_params(c):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(_local(p.grad), group=self.embedding_group)
+
+
+def _embedding_params(model: nn.Module) -> list[nn.Parameter]:
+    mods = [model.embed_tokens, getattr(model, "position_embeddings", None)]
+    return [p for m in mods if m is not None for p in m.parameters()]
+
+
+def _objective(A: int):
+    def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
+        return output.sum() / A
+    return loss_fn
+
+
+def embedding_duplicates(container: DeepseekV3Stage, layout: PipelineLayout, has_mtp: bool) -> set[int]:
+    """ids of parameters that are a copy of another stage's (the last stage's embedding with MTP):
+    left out of the global gradient norm so every value counts once."""
+    if not has_mtp or not container.is_last or container.is_first:
+        return set()
+    return {id(p) for p in _embedding_params(container)}
+
+
+def pipeline_grad_norm(params: Sequence[nn.Parameter], stage_group, pp_group,
+                       duplicates: set[int] = frozenset()) -> torch.Tensor:
+    """Global L2 norm over every stage: each stage's norm over its own ranks (``stage_group``:
+    the non-pipeline ranks of this stage), squares summed over the pipeline."""
+    from lit_moe.strategies.clip import global_grad_norm
+
+    own = [p for p in params if id(p) not in duplicates]
+    sq = global_grad_norm(own, group=stage_group).pow(2)
+    dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()
+
+
+def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], has_mtp: bool):
+    """With MTP: a group of the ranks holding the first and the last stage, for every pipeline
+    (``pipelines``: the global ranks of each, in pipeline-rank order; every rank takes part in
+    creating all groups). Returns this rank's group, or None (no MTP, or both stages on one rank,
+    where they share one embedding module)."""
+    first, last = layout.rank_of(0), layout.rank_of(layout.num_stages - 1)
+    if not has_mtp or first == last:
+        return None
+    mine = None
+    me = dist.get_rank()
+    for ranks in pipelines:
+        pair = [ranks[first], ranks[last]]
+        group = dist.new_group(pair)
+        if me in pair:
+            mine = group
+    return mine
+
+
+__all__ = ["AuxLossBackward", "DeepseekV3Stage", "PipelineError", "PipelineLayout", "PipelineRunner",
+           "SCHEDULES", "embedding_duplicates", "embedding_group", "pipeline_grad_norm", "resolve_schedule",
+           "split_layers", "split_model"]
