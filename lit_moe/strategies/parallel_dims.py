@@ -66,10 +66,6 @@ class ParallelDims:
         C = _check_degree("context_parallel", self.cp)
         P = _check_degree("pipeline_parallel", self.pp)
         E = _check_degree("expert_parallel", self.ep)
-        if P > 1:
-            raise ParallelismError(
-                f"parallelism.pipeline_parallel: {P} is not supported yet (only 1); use data, tensor, "
-                "context and expert parallelism instead")
         if T * P * C > W:
             raise ParallelismError(
                 f"tensor_parallel({T}) * pipeline_parallel({P}) * context_parallel({C}) = {T * P * C} "
@@ -201,11 +197,13 @@ class ParallelDims:
         tensor- and expert-parallel DTensors can be combined."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        R, S, C, T, E = self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep
+        R, S, C, T, E, P = self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep, self.pp
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
-        batch = world._unflatten(0, (R, S, C, T), ("dp_replicate", "dp_shard", "cp", "tp"))
-        dense = world._unflatten(0, (R, S * C, T), ("dp_replicate", "fsdp", "tp"))
-        sparse = world._unflatten(0, (R, self.efsdp, E), ("dp_replicate", "efsdp", "ep"))
+        # Pipeline stages are the outermost dimension: every other mesh lies inside one stage.
+        outer, outer_names = ((P,), ("pp",)) if P > 1 else ((), ())
+        batch = world._unflatten(0, (*outer, R, S, C, T), (*outer_names, "dp_replicate", "dp_shard", "cp", "tp"))
+        dense = world._unflatten(0, (*outer, R, S * C, T), (*outer_names, "dp_replicate", "fsdp", "tp"))
+        sparse = world._unflatten(0, (*outer, R, self.efsdp, E), (*outer_names, "dp_replicate", "efsdp", "ep"))
         self.meshes = {
             "world": world,
             "batch": batch,
@@ -221,6 +219,10 @@ class ParallelDims:
             "dense": dense,
             "sparse": sparse,
         }
+        if P > 1:
+            self.meshes["pp"] = batch["pp"]
+            # the ranks of one stage (everything but pp): gradient norms per stage
+            self.meshes["stage"] = batch["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
         self._check_meshes()
         return self.meshes
 

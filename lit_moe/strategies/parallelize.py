@@ -102,9 +102,13 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
         # Fewer local experts than shards: shard dim 1 instead of padding dim 0 (TorchTitan).
         return Shard(1) if local_experts < efsdp else Shard(0)
 
-    fully_shard(model.embed_tokens, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
-    if getattr(model, "position_embeddings", None) is not None:
-        fully_shard(model.position_embeddings, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
+    from torch.distributed.fsdp import FSDPModule
+
+    # A pipeline stage lacks the parts other stages hold (None); with the V-shaped schedule one rank's
+    # first and last stage share the embedding, already wrapped for the first.
+    for embedding in (model.embed_tokens, getattr(model, "position_embeddings", None)):
+        if embedding is not None and not isinstance(embedding, FSDPModule):
+            fully_shard(embedding, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
     for block in model.blocks():
         reshard = _reshard_after_forward(block, zero3)
         mlp = block.mlp
@@ -124,7 +128,8 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
                 fully_shard(mlp.router, mesh=mesh, mp_policy=router_mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=reshard)
     # the head runs right after the last layer and its backward right away: keep it gathered
-    fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=dense_mp, reshard_after_forward=False)
+    if model.lm_head is not None:
+        fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=dense_mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
 
 

@@ -323,9 +323,41 @@ def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: i
     share its sub-modules and are what ``PipelineStage`` runs."""
     stages = layout.stages_of(pp_rank)
     last = layout.num_stages - 1
+    if len(model.mtp) and last > 0 and layout.rank_of(0) == layout.rank_of(last):
+        raise PipelineError(
+            f"parallelism.pipeline_parallel_schedule: {layout.schedule} puts the first and the last stage on one "
+            "rank, whose MTP layers would share the embedding across two FSDP stage roots; not supported with "
+            "model.num_nextn_predict_layers > 0 (use interleaved_zb or interleaved_1f1b)")
     parts = [DeepseekV3Stage(model, range(*layout.ranges[s]), first=s == 0, last=s == last) for s in stages]
     ids = sorted(i for s in stages for i in range(*layout.ranges[s]))
     container = DeepseekV3Stage(model, ids, first=0 in stages, last=last in stages)
+    return container, parts
+
+
+def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLayout, parallelism: Any = None,
+                         recompute: Any = None, recompute_comm: Any = None, model_config: Any = None,
+                         reduce_in_fp32: bool = True) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
+    """Tensor, expert and context parallelism and recompute on the whole (meta) model, so layer ids
+    and module paths stay global; then this rank's stages, each its own FSDP2 root on the stage's
+    dense and expert meshes. Returns :func:`split_model`'s (container, stage modules)."""
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.strategies.expert_parallel import resolve_dispatcher
+    from lit_moe.strategies.parallelize import (apply_cp, apply_ep, apply_fsdp, apply_recompute_step, apply_tp,
+                                                needs_fsdp)
+
+    parallelism = parallelism if parallelism is not None else ParallelismConfig()
+    config = model_config if model_config is not None else model.config
+    dims.validate_model(config)
+    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
+                                    getattr(config, "moe_token_dispatcher_type", None))
+    apply_tp(model, dims)
+    apply_ep(model, dims, dispatcher)
+    apply_cp(model, dims)
+    apply_recompute_step(model, recompute, recompute_comm, dims)
+    container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank())
+    if needs_fsdp(dims):
+        for part in parts:
+            apply_fsdp(part, dims, config, parallelism, reduce_in_fp32)
     return container, parts
 
 

@@ -1,0 +1,326 @@
+"""Pipeline parallelism (issue 16): the stage layout rules, and gloo runs of 4 AdamW steps under
+pipeline layouts against the same training in one process without any parallelism (fp32, same
+global batch and micro-batches; loss, pre-clip global gradient norm, expert biases and final
+parameters within 1e-5 relative: a stage changes no arithmetic inside its layers).
+
+The reference is the plain model in this pytest process; the layouts run as real
+``torch.distributed.run`` subprocesses of this file (``--worker``), one launch per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+SEQ = 32
+GLOBAL_BATCH = 4
+VOCAB = 128
+LAYERS = 4
+MAX_NORM = 0.5
+RTOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# layout rules (no processes)
+# ----------------------------------------------------------------------------------------------
+def test_auto_split_and_explicit_ranges():
+    assert split_layers("auto", 8, 2) == [(0, 4), (4, 8)]
+    assert split_layers(None, 8, 2, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # MindFormers: chunk c of rank r is stage c*P + r; ranges are inclusive, uneven allowed
+    assert split_layers(["0-2,5-5", "3-4,6-7"], 8, 2, 2) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert split_layers(["0", "1-6"], 7, 2) == [(0, 1), (1, 7)]
+    assert split_layers("0-2|3-4", 5, 2) == [(0, 3), (3, 5)]
+
+
+@pytest.mark.parametrize("spec, layers, pp, v, words", [
+    ("auto", 7, 2, 1, "divisible"),
+    (["0-3"], 8, 2, 1, "1 entries"),
+    (["0-3", "4-6"], 8, 2, 1, "end at layer 6"),
+    (["0-3", "5-7"], 8, 2, 1, "stage 1 starts at layer 5"),
+    (["0-3,4-5", "6-7"], 8, 2, 2, "rank 1 has 1 range"),
+    (["3-0", "4-7"], 8, 2, 1, "0 <= start <= end"),
+    (["a-b", "4-7"], 8, 2, 1, "'a-b' is not a layer range"),
+    ([[0, 1], [2, 3]], 4, 2, 1, "expected 'auto' or a list"),
+])
+def test_bad_layer_split_is_one_line(spec, layers, pp, v, words):
+    with pytest.raises(PipelineError) as err:
+        split_layers(spec, layers, pp, v)
+    msg = str(err.value)
+    assert "parallelism.pipeline_parallel_layers_per_stage" in msg and words in msg and "\n" not in msg
+
+
+def test_schedules():
+    assert resolve_schedule("1f1b", 1) == "1f1b"
+    assert resolve_schedule("1F1B", 2) == "interleaved_1f1b"   # MindFormers' upgrade
+    assert resolve_schedule("gpipe", 1) == "gpipe"
+    for bad, v in (("gpipe", 2), ("interleaved_1f1b", 1), ("zbv", 3), ("interleaved_zb", 1), ("dualpipe", 1)):
+        with pytest.raises(PipelineError, match="pipeline_parallel_(schedule|interleave_num)"):
+            resolve_schedule(bad, v)
+    # zbv: V shape, rank r holds stages r and 2P-1-r; looped schedules put stage s on rank s mod P
+    zbv = PipelineLayout(2, 2, "zbv", tuple(split_layers("auto", 4, 2, 2)))
+    assert [zbv.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
+    loop = PipelineLayout(2, 2, "interleaved_1f1b", tuple(split_layers("auto", 4, 2, 2)))
+    assert [loop.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
+
+
+def test_too_few_microbatches_names_global_batch_size():
+    layout = PipelineLayout.from_config(SimpleNamespace(pipeline_parallel=4), 8)
+    layout.check_microbatches(4)
+    with pytest.raises(PipelineError) as err:
+        layout.check_microbatches(2, global_batch_size=4)
+    assert str(err.value).startswith("training.global_batch_size 4 gives 2 micro-batches")
+    PipelineLayout.from_config(SimpleNamespace(pipeline_parallel=4, pipeline_parallel_schedule="gpipe"), 8) \
+        .check_microbatches(1)
+    inter = PipelineLayout.from_config(SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=2), 8)
+    inter.check_microbatches(6)
+    with pytest.raises(PipelineError, match="multiple of max"):
+        inter.check_microbatches(5)
+
+
+# ----------------------------------------------------------------------------------------------
+# training runs: layouts and the one-process reference
+# ----------------------------------------------------------------------------------------------
+def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False):
+    return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
+                recompute=recompute)
+
+
+LAYOUTS = {
+    "pp2_1f1b": _layout(2, 2),
+    "pp2_gpipe_uneven": _layout(2, 2, schedule="gpipe", ranges=["0-2", "3-3"]),
+    "pp2_interleaved2": _layout(2, 2, v=2, mtp=1),
+    "pp2_mtp": _layout(2, 2, mtp=1),
+    "pp2_recompute": _layout(2, 2, recompute=True),
+    "pp2_zbv": _layout(2, 2, schedule="zbv", v=2),
+    "pp2_interleaved_zb": _layout(2, 2, schedule="interleaved_zb", v=2),
+    "pp4": _layout(4, 4, mtp=1),
+    "pp2_dp2": _layout(4, 2, mtp=1),
+    "pp2_ep2": _layout(4, 2, ep=2),
+    "pp2_tp2": _layout(4, 2, tp=2, mtp=1),
+}
+
+
+def model_section(mtp: int) -> dict:
+    return dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=LAYERS, first_k_dense_replace=1, num_attention_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+        num_nextn_predict_layers=mtp, seq_length=SEQ, max_position_embeddings=256,
+        position_embedding_type="rope", params_dtype="float32", compute_dtype="float32",
+        initializer_range=0.05,
+    )
+
+
+def batches() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def recompute_sections():
+    from lit_moe.config import RecomputeConfig
+
+    # layer ids are global: layer 3 lives on the second stage
+    return RecomputeConfig(mode="full", full_recompute_layer=[1, 3]), None
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference(mtp: int) -> dict:
+    """One process, no parallelism: 4 micro-batches of one sample per step."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies.clip import clip_grad_norm_
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp)))
+    model.to_empty(device="cpu")
+    model.init_weights(7)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
+    data = batches()
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
+    for step in range(STEPS):
+        sums = torch.zeros(3)
+        for micro in range(GLOBAL_BATCH):
+            tok = data[step, micro:micro + 1]
+            res = model(input_ids=tok[:, :-1], labels=tok[:, 1:])
+            ((res.loss + res.aux_loss + res.mtp_loss) / GLOBAL_BATCH).backward()
+            sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
+        out["grad_norm"].append(float(clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                      MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.update_expert_bias(torch.stack([m.tokens_per_expert for m in model.moe_layers()]))
+        out["loss"].append(float(sums[0]))
+        out["aux"].append(float(sums[1]))
+        out["mtp"].append(float(sums[2]))
+        out["bias"].append({str(i): m.router.expert_bias.tolist() for i, m in _moe_by_layer(model).items()})
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _moe_by_layer(model) -> dict:
+    """Global block id → MoE module (decoder layers, then MTP layers)."""
+    ids = model.block_ids() if hasattr(model, "block_ids") else range(len(model.blocks()))
+    from lit_moe.model.moe import MoE
+
+    return {i: b.mlp for i, b in zip(ids, model.blocks()) if isinstance(b.mlp, MoE)}
+
+
+# ----------------------------------------------------------------------------------------------
+# worker
+# ----------------------------------------------------------------------------------------------
+def run_layout(name: str, out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies import ParallelDims
+    from lit_moe.strategies.pipeline import (PipelineRunner, embedding_duplicates, embedding_group,
+                                             parallelize_pipeline, pipeline_grad_norm)
+
+    spec = LAYOUTS[name]
+    dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"])
+    dims.build_meshes("cpu")
+    cfg = DeepseekV3Config(**model_section(spec["mtp"]))
+    parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
+                                    expert_parallel=spec["ep"], pipeline_parallel=spec["pp"])
+    knobs = SimpleNamespace(pipeline_parallel=spec["pp"], pipeline_parallel_interleave_num=spec["v"],
+                            pipeline_parallel_schedule=spec["schedule"],
+                            pipeline_parallel_layers_per_stage=spec["ranges"])
+    layout = PipelineLayout.from_config(knobs, LAYERS)
+    recompute, recompute_comm = recompute_sections() if spec["recompute"] else (None, None)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    container, parts = parallelize_pipeline(model, dims, layout, parallelism, recompute, recompute_comm, cfg)
+    container.to_empty(device="cpu")
+    container.init_weights(7)
+
+    pp_mesh = dims.mesh("pp")
+    # every pipeline's global ranks (world mesh laid out [pp, rest]): rank = pp_rank * rest + j
+    rest = spec["world"] // spec["pp"]
+    all_pipelines = [[p * rest + j for p in range(spec["pp"])] for j in range(rest)]
+    egroup = embedding_group(layout, all_pipelines, spec["mtp"] > 0)
+    A = GLOBAL_BATCH // dims.dp
+    runner = PipelineRunner(container, parts, layout, pp_mesh.get_group(), torch.device("cpu"), A,
+                            micro_batch=(1, SEQ), seq_divisor=dims.tp, embedding_group=egroup)
+    opt = torch.optim.AdamW(list(container.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
+    dup = embedding_duplicates(container, layout, spec["mtp"] > 0)
+    dp_rank = dims.mesh("dp").get_local_rank()
+    data = batches()
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
+    for step in range(STEPS):
+        tok = data[step, dp_rank * A:(dp_rank + 1) * A]
+        losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:]})
+        dist.all_reduce(losses, group=dims.mesh("dp").get_group())
+        losses /= dims.dp
+        params = [p for p in container.parameters() if p.grad is not None]
+        norm = pipeline_grad_norm(params, dims.mesh("stage").get_group(), pp_mesh.get_group(), dup)
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+        for p in params:
+            _local(p.grad).mul_(coef)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        moes = container.moe_layers()
+        if moes:
+            counts = torch.stack([_local(m.tokens_per_expert) for m in moes])
+            dist.all_reduce(counts, group=dims.mesh("dp").get_group())
+            container.update_expert_bias(counts)
+        out["loss"].append(float(losses[0]))
+        out["aux"].append(float(losses[1]))
+        out["mtp"].append(float(losses[2]))
+        out["grad_norm"].append(float(norm))
+        out["bias"].append({str(i): _local(m.router.expert_bias).tolist() for i, m in _moe_by_layer(container).items()})
+    params = {n: _full(p.detach()) for n, p in container.named_parameters()}
+    rank = dist.get_rank()
+    torch.save({"out": out, "params": params}, out_dir / f"{name}.rank{rank}.pt")
+
+
+def worker(world: int, out_dir: str, only: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        for name, spec in LAYOUTS.items():
+            if spec["world"] == world and (not only or name in only):
+                run_layout(name, Path(out_dir))
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world: int, out_dir: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", "0",
+           __file__, "--worker", str(world), str(out_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp")
+    for world in sorted({s["world"] for s in LAYOUTS.values()}):
+        _launch(world, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {mtp: reference(mtp) for mtp in sorted({s["mtp"] for s in LAYOUTS.values()})}
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_process(name, runs, references):
+    spec = LAYOUTS[name]
+    ref = references[spec["mtp"]]
+    results = [torch.load(runs / f"{name}.rank{r}.pt") for r in range(spec["world"])]
+    seen_params: set[str] = set()
+    seen_bias: set[str] = set()
+    for r, res in enumerate(results):
+        out = res["out"]
+        for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
+            assert _rel(out[key], ref[key]) < RTOL, (name, r, key, out[key], ref[key])
+        for step in range(STEPS):
+            for layer, bias in out["bias"][step].items():
+                assert _rel(bias, ref["bias"][step][layer]) < RTOL, (name, r, step, layer)
+                seen_bias.add(layer)
+        for pname, value in res["params"].items():
+            assert _rel(value, ref["params"][pname]) < RTOL, (name, r, pname)
+            seen_params.add(pname)
+    # every parameter and MoE layer of the model lives on some stage
+    assert seen_params == set(ref["params"])
+    assert seen_bias == set(ref["bias"][0])
+    # the clip is active in these runs (so the global norm matters)
+    assert max(ref["grad_norm"]) > MAX_NORM
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
