@@ -362,6 +362,65 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
 
 
 # ----------------------------------------------------------------------------------------------
+# planning: per-stage bytes, in-flight micro-batches, bubble
+# ----------------------------------------------------------------------------------------------
+def stage_of_parameter(name: str, layout: PipelineLayout, num_layers: int) -> list[int]:
+    """Stages holding parameter ``name`` (a full-model name): the embedding is on the first stage
+    (and the last with MTP, see :func:`plan_stages`), norm/head/MTP on the last."""
+    last = layout.num_stages - 1
+    if name.startswith("layers."):
+        i = int(name.split(".")[1])
+        return [s for s, (a, b) in enumerate(layout.ranges) if a <= i < b]
+    if name.startswith(("embed_tokens.", "position_embeddings.")):
+        return [0]
+    return [last]
+
+
+def in_flight_microbatches(layout: PipelineLayout, rank: int, A: int) -> int:
+    """Micro-batches whose activations a rank holds at its peak, counted in stage chunks of one
+    micro-batch (so interleaved ranks count each of their virtual stages): GPipe keeps all A; 1F1B
+    keeps P - r (Megatron's warm-up); interleaved 1F1B and the zero-bubble schedules keep their
+    warm-up forwards, (P - r - 1)·2 + (V - 1)·P + 1 chunks (Megatron's interleaved warm-up), at most
+    A·V."""
+    P, V = layout.pp, layout.interleave
+    if layout.schedule == "gpipe":
+        return A
+    if layout.schedule == "1f1b":
+        return min(P - rank, A)
+    return min((P - rank - 1) * 2 + (V - 1) * P + 1, A * V)
+
+
+def bubble_fraction(layout: PipelineLayout, A: int) -> float:
+    """Idle share of a rank's step with equal forward/backward times: (P-1)/V / (A + (P-1)/V)
+    (GPipe and 1F1B with V = 1; Megatron's interleaved bound); zero-bubble schedules fill it with
+    weight-gradient work, reported as 0 (ideal: their bound needs F = B = W)."""
+    if layout.schedule in ("interleaved_zb", "zbv"):
+        return 0.0
+    idle = (layout.pp - 1) / layout.interleave
+    return idle / (A + idle)
+
+
+def plan_stages(layout: PipelineLayout, local_bytes: dict[str, int], num_layers: int, has_mtp: bool,
+                A: int) -> list[str]:
+    """``lit_moe plan`` lines for a pipeline: per rank, the bytes of the parameters its stages hold
+    (``local_bytes``: parameter name → this layout's local shard bytes), in-flight micro-batches and
+    the bubble fraction of the schedule."""
+    per_rank = [0] * layout.pp
+    for name, n in local_bytes.items():
+        stages = stage_of_parameter(name, layout, num_layers)
+        if has_mtp and name.startswith(("embed_tokens.", "position_embeddings.")):
+            stages = sorted({0, layout.num_stages - 1})
+        for r in sorted({layout.rank_of(s) for s in stages}):
+            per_rank[r] += n
+    lines = layout.describe()
+    for r in range(layout.pp):
+        lines.append(f"  pipeline rank {r}: stages {layout.stages_of(r)}, parameters {per_rank[r]} bytes per rank, "
+                     f"in flight {in_flight_microbatches(layout, r, A)} micro-batch stage chunks")
+    lines.append(f"  bubble fraction {bubble_fraction(layout, A):.3f} with {A} micro-batches")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
 # running a step
 # ----------------------------------------------------------------------------------------------
 def _schedule_class(name: str):
@@ -426,7 +485,8 @@ class PipelineRunner:
         """Forward and backward of one optimizer step's ``A`` micro-batches (``batch``: them
         concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss]`` of the step (each the mean
         over micro-batches), the same on every pipeline rank (the last stage's loss and MTP, the
-        aux losses of all stages)."""
+        aux losses of all stages); :attr:`micro_losses` then holds the last stage's main loss of
+        each micro-batch, also on every pipeline rank."""
         for part in self.parts:
             part.step_stats.clear()
             part.moe_aux_sum = None
@@ -436,13 +496,18 @@ class PipelineRunner:
         return self.step_losses()
 
     def step_losses(self) -> torch.Tensor:
+        # one all-reduce over the pipeline: [loss, aux, mtp] sums, then the per-micro main losses
+        A = self.accumulation_steps
         device = _local(next(self.container.parameters())).device
-        total = torch.zeros(3, dtype=torch.float32, device=device)
+        vec = torch.zeros(3 + A, dtype=torch.float32, device=device)
         for part in self.parts:
             for s in part.step_stats:
-                total += s.to(device)
-        dist.all_reduce(total, group=self.pp_group)
-        return total / self.accumulation_steps
+                vec[:3] += s.to(device)
+            if part.is_last:
+                vec[3:] = torch.stack([s[0] for s in part.step_stats]).to(device)
+        dist.all_reduce(vec, group=self.pp_group)
+        self.micro_losses = vec[3:].cpu()
+        return vec[:3] / A
 
     def sync_embedding_grads(self) -> None:
         """Sum the gradients of the embedding copies of the first and the last stage (MTP)."""
@@ -455,6 +520,70 @@ class PipelineRunner:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(_local(p.grad), group=self.embedding_group)
+
+
+class PipelineParallel:
+    """What the strategy keeps for a pipeline run and the training step calls: this rank's stages,
+    the schedule (built at the first step, when the micro-batch shape is known), the stage-spanning
+    gradient norm and the per-layer balancing losses of the step.
+
+    Built by :meth:`build` from the (meta) model; ``container`` is what the LightningModule holds
+    as its model (every local parameter under its global name)."""
+
+    def __init__(self, dims, layout: PipelineLayout, container: DeepseekV3Stage, parts: list[DeepseekV3Stage],
+                 embedding_group_: Optional[dist.ProcessGroup]) -> None:
+        self.dims, self.layout, self.container, self.parts = dims, layout, container, parts
+        self.embedding_group = embedding_group_
+        self.duplicates = embedding_duplicates(container, layout, len(container.mtp) > 0)
+        self.runner: Optional[PipelineRunner] = None
+
+    @classmethod
+    def build(cls, model: DeepseekV3ForCausalLM, dims, parallelism: Any, recompute: Any = None,
+              recompute_comm: Any = None, model_config: Any = None, reduce_in_fp32: bool = True
+              ) -> "PipelineParallel":
+        config = model_config if model_config is not None else model.config
+        layout = PipelineLayout.from_config(parallelism, config.num_hidden_layers)
+        container, parts = parallelize_pipeline(model, dims, layout, parallelism, recompute, recompute_comm,
+                                                config, reduce_in_fp32)
+        rest = dims.world_size // dims.pp   # the world mesh is [pp, everything else], row-major
+        pipelines = [[p * rest + j for p in range(dims.pp)] for j in range(rest)]
+        group = embedding_group(layout, pipelines, config.num_nextn_predict_layers > 0)
+        return cls(dims, layout, container, parts, group)
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Run the schedule over the step's micro-batches; ``[loss, aux, mtp]`` means (every rank)."""
+        A = len(micro_batches)
+        first = micro_batches[0]["input_ids"]
+        if self.runner is None or self.runner.accumulation_steps != A:
+            self.runner = PipelineRunner(self.container, self.parts, self.layout, self.dims.mesh("pp").get_group(),
+                                         first.device, A, micro_batch=tuple(first.shape),
+                                         seq_divisor=self.dims.tp * self.dims.cp,
+                                         embedding_group=self.embedding_group)
+        keys = [k for k, v in micro_batches[0].items() if torch.is_tensor(v)]
+        batch = {k: torch.cat([b[k] for b in micro_batches]) for k in keys}
+        return self.runner.step(batch)
+
+    @property
+    def micro_losses(self) -> list[float]:
+        return [] if self.runner is None else [float(x) for x in self.runner.micro_losses]
+
+    def moe_aux_sum(self) -> Optional[torch.Tensor]:
+        """This step's balancing loss per MoE layer of the container (summed over micro-batches)."""
+        layers = self.container.moe_layers()
+        if not layers:
+            return None
+        out = torch.zeros(len(layers), dtype=torch.float32, device=_local(layers[0].tokens_per_expert).device)
+        index = {id(m): i for i, m in enumerate(layers)}
+        for part in self.parts:
+            if part.moe_aux_sum is None:
+                continue
+            for m, v in zip(part._main_moe + part._mtp_moe, part.moe_aux_sum):
+                out[index[id(m)]] += v.to(out.device)
+        return out
+
+    def grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        return pipeline_grad_norm(params, self.dims.mesh("stage").get_group(), self.dims.mesh("pp").get_group(),
+                                  self.duplicates)
 
 
 def _embedding_params(model: nn.Module) -> list[nn.Parameter]:
@@ -506,6 +635,6 @@ def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], 
     return mine
 
 
-__all__ = ["AuxLossBackward", "DeepseekV3Stage", "PipelineError", "PipelineLayout", "PipelineRunner",
+__all__ = ["AuxLossBackward", "DeepseekV3Stage", "PipelineError", "PipelineLayout", "PipelineParallel", "PipelineRunner",
            "SCHEDULES", "embedding_duplicates", "embedding_group", "pipeline_grad_norm", "resolve_schedule",
            "split_layers", "split_model"]
