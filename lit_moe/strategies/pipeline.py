@@ -339,23 +339,31 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
                          reduce_in_fp32: bool = True) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
     """Tensor, expert and context parallelism and recompute on the whole (meta) model, so layer ids
     and module paths stay global; then this rank's stages, each its own FSDP2 root on the stage's
-    dense and expert meshes. Returns :func:`split_model`'s (container, stage modules)."""
+    dense and expert meshes (when a stage has more than one rank). Returns :func:`split_model`'s (container, stage modules)."""
     from lit_moe.config import ParallelismConfig
     from lit_moe.strategies.expert_parallel import resolve_dispatcher
-    from lit_moe.strategies.parallelize import (apply_cp, apply_ep, apply_fsdp, apply_recompute_step, apply_tp,
-                                                needs_fsdp)
+    from lit_moe.strategies.parallelize import apply_cp, apply_ep, apply_fsdp, apply_recompute_step, apply_tp
 
     parallelism = parallelism if parallelism is not None else ParallelismConfig()
     config = model_config if model_config is not None else model.config
     dims.validate_model(config)
     dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
                                     getattr(config, "moe_token_dispatcher_type", None))
+    stage_ranks = dims.world_size // dims.pp
+    if layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1:
+        # torch's weight-gradient pass differentiates w.r.t. the registered (sharded) parameters,
+        # which FSDP2's all-gathered copies stand in for in the graph: their gradients would be lost
+        raise PipelineError(
+            f"parallelism.pipeline_parallel_schedule: {layout.schedule} splits weight gradients outside FSDP's hooks "
+            f"and needs pipeline ranks only (world_size = pipeline_parallel), but each stage has {stage_ranks} "
+            "ranks; use 1f1b or interleaved_1f1b")
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims)
     apply_recompute_step(model, recompute, recompute_comm, dims)
     container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank())
-    if needs_fsdp(dims):
+    # One rank per stage shards nothing and reduces nothing: like one process, no FSDP.
+    if stage_ranks > 1:
         for part in parts:
             apply_fsdp(part, dims, config, parallelism, reduce_in_fp32)
     return container, parts
