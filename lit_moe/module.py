@@ -15,6 +15,7 @@ lets a guard skip an update without touching the optimizer state. The strategy i
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -27,6 +28,12 @@ from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
+
+# Lightning calls the iterator form of training_step experimental and warns that consuming several
+# batches per call misaligns `batch_idx` and does not mix with its own accumulation: LitMoE consumes
+# exactly A batches per call on purpose and accumulates itself, and no hook of ours reads batch_idx.
+for _message in ("You are using the `dataloader_iter` step flavor", "Found `dataloader_iter` argument"):
+    warnings.filterwarnings("ignore", message=_message)
 
 
 class LitMoE(LightningModule):

@@ -167,7 +167,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         """``b += moe_router_bias_update_rate * sign(mean(c) - c)`` per MoE layer, then zero the counters.
 
         ``counts [n_moe_layers, E]``: tokens per expert summed over the step's micro-batches and the
-        data/context-parallel ranks (the caller all-reduces); None: this process's counters."""
+        data-parallel ranks (the caller all-reduces; tensor/context/expert-parallel ranks of one
+        data-parallel rank route the same tokens); None: this process's counters."""
         layers = self.moe_layers()
         if not layers:
             return
