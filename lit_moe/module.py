@@ -160,32 +160,49 @@ class LitMoE(LightningModule):
     def _take_micro_batches(self, dataloader_iter: Iterator) -> list[Batch]:
         """The ``A`` micro-batches of this step, on the device.
 
-        When the epoch's data ends inside a step, the micro-batches taken so far are kept for the
-        next epoch's first call and ``StopIteration`` ends this epoch; after the last epoch they are
-        dropped and their samples given back to the DataModule, so the final checkpoint resumes
-        with exactly those samples."""
+        A step whose epoch runs out of data goes on with the next epoch's first micro-batches (as when
+        every micro-batch was its own call). When the loader has a length, the last ``< A``
+        micro-batches of an epoch are taken with the step before them, so this call is the epoch's
+        last and ``on_train_batch_end`` still fires once per optimizer step; an unsized loader ends
+        the epoch with ``StopIteration`` from the next call instead (Lightning then fires the batch
+        hooks once without a step)."""
         batches, self._carried = self._carried, []
         while len(batches) < self.accumulation_steps:
             try:
                 batch, _, _ = next(dataloader_iter)
             except StopIteration:
-                if batches:
-                    self._keep_or_give_back(batches)
+                self._set_aside(batches)
                 raise
             batches.append(self._transfer(batch))
+        length = dataloader_iter.length  # Lightning's iterator knows the epoch's length (None: unsized)
+        if length is not None and 0 < length - dataloader_iter.fetched < self.accumulation_steps:
+            self._set_aside([self._transfer(b) for b, _, _ in dataloader_iter])
         return batches
 
-    def _keep_or_give_back(self, batches: list[Batch]) -> None:
+    def _dm_samples(self, batches: list[Batch], sign: int) -> None:
+        """Move the DataModule's consumed-samples count by the samples of ``batches`` (it counts a
+        micro-batch when it reaches the device)."""
+        from lit_moe.data import MegatronDataModule
+
+        dm = self.trainer.datamodule
+        if isinstance(dm, MegatronDataModule):
+            dm.consumed_samples += sign * sum(int(b["input_ids"].shape[0]) for b in batches) * dm.dp_size
+
+    def _set_aside(self, batches: list[Batch]) -> None:
+        """Micro-batches at the end of an epoch that do not make a whole step. They are not trained
+        on yet, so their samples are given back (a checkpoint of this step resumes with them); when
+        another epoch follows they are kept for its first step and counted again as it starts."""
+        if not batches:
+            return
+        self._dm_samples(batches, -1)
         trainer = self.trainer
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
         if not last_epoch:
             self._carried = batches
-            return
-        from lit_moe.data import MegatronDataModule
 
-        dm = trainer.datamodule
-        if isinstance(dm, MegatronDataModule):
-            dm.consumed_samples -= sum(int(b["input_ids"].shape[0]) for b in batches) * dm.dp_size
+    def on_train_epoch_start(self) -> None:
+        # Before Lightning creates this epoch's data iterator (the sampler starts where the count is).
+        self._dm_samples(self._carried, +1)
 
     def training_step(self, dataloader_iter: Iterator) -> None:
         micro_batches = self._take_micro_batches(dataloader_iter)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from helpers import ROOT, run_cli, tiny_config, write_config
 
@@ -66,3 +68,44 @@ def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path):
     state = common["trainer_state"]
     assert state["global_step"] == 1
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed_samples": 4}]
+
+
+class _CountHooks(L.Callback):
+    """Which micro-batches (their first token) each optimizer step trained on, and how often the
+    per-step and per-micro-batch hooks fire."""
+
+    def __init__(self):
+        self.steps, self.micro, self.backwards, self.batch_ends = [], [], 0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.model.register_forward_pre_hook(
+            lambda mod, args, kwargs: self.micro.append(int(kwargs["input_ids"][0, 0])), with_kwargs=True)
+
+    def on_after_backward(self, trainer, pl_module):
+        self.backwards += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batch_ends += 1
+        assert pl_module.step_metrics.step == trainer.global_step == self.batch_ends
+        self.steps.append(self.micro)
+        self.micro = []
+
+
+def test_on_train_batch_end_fires_once_per_optimizer_step_and_steps_span_epochs(one_process_strategy):
+    """A = 3 micro-batches per step from an epoch of 8: ``training_step`` is one optimizer step, so the
+    per-step hook fires once per step (after 3 backward passes), and a step whose epoch ran out goes on
+    with the first micro-batches of the next epoch, as micro-batch-per-call training did."""
+    from test_callbacks_module import SEQ, VOCAB, tiny_module
+
+    module = tiny_module(steps=4)
+    module.accumulation_steps = 3
+    ids = torch.arange(8)[:, None].expand(8, SEQ + 1) % VOCAB          # micro-batch k starts with token k
+    data = DataLoader([{"input_ids": r[:-1], "labels": r[1:]} for r in ids], batch_size=1)
+    hooks = _CountHooks()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_steps=4,
+                        max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        callbacks=[hooks])
+    trainer.fit(module, data)
+    assert hooks.batch_ends == 4 and hooks.backwards == 12
+    assert hooks.steps == [[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]]
