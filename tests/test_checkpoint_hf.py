@@ -60,7 +60,7 @@ def _yaml(tmp_path: Path, model: dict) -> Path:
 
 
 def test_convert_hf_matches_transformers_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the judge: a hard test dependency (pyproject [test])
     from lit_moe.checkpoint.convert_hf import main
 
     model = _model()

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # the judge: a hard test dependency (pyproject [test])
 
 from lit_moe.model.hf import HFCheckpointError  # noqa: E402
 from lit_moe.model import DeepseekV3ForCausalLM  # noqa: E402
