@@ -81,7 +81,7 @@ class TrainingConfig:
     """Seeds Python, NumPy and torch RNGs on every rank, and the data workers."""
     deterministic: bool = False
     """Use deterministic algorithms: two runs give bitwise identical losses on CPU."""
-    rampup_batch_size: Optional[list[int]] = None
+    rampup_batch_size: Optional[list] = None
     """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. Validated with
     MindFormers' rules (three positive ints, levels divisible by ``data_parallel * local_batch_size``),
     then refused: ramp-up is not implemented yet. null: ``global_batch_size`` throughout."""
@@ -432,7 +432,7 @@ def suggest(name: str, candidates: Any) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``candidates``, or an empty string."""
     import difflib
 
-    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
