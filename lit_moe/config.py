@@ -425,6 +425,11 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "model.output_attentions": "Hugging Face forward-output option",
     "model.use_return_dict": "Hugging Face forward-output option",
     "model.head_dim": "Hugging Face config.json (qk_rope_head_dim); derived here",
+    "model.chunk_size_feed_forward": "Hugging Face PretrainedConfig attribute; unused by DeepSeek-V3",
+    "model.id2label": "Hugging Face PretrainedConfig attribute (classification heads)",
+    "model.label2id": "Hugging Face PretrainedConfig attribute (classification heads)",
+    "model.is_encoder_decoder": "Hugging Face PretrainedConfig attribute; DeepSeek-V3 is decoder-only",
+    "model.problem_type": "Hugging Face PretrainedConfig attribute (classification heads)",
 }
 
 

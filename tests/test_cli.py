@@ -479,3 +479,57 @@ def test_unreadable_load_path_is_one_line(tmp_path, capsys, kind):
         expect = str(target)
     line = _fit_error(tmp_path, capsys, _set(tiny_config(tmp_path), "checkpoint.load_path", str(target)))
     assert "checkpoint.load_path" in line and expect in line, line
+
+
+def test_no_effect_list_names_real_keys_and_every_no_effect_field_is_in_it():
+    import dataclasses
+
+    import importlib.util
+
+    from lit_moe.config import FIXED_SECTIONS, NO_EFFECT_KEYS, OTHER_TOP_LEVEL
+
+    spec = importlib.util.spec_from_file_location("make_readme", ROOT / "docs" / "make_readme.py")
+    make_readme = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_readme)
+    field_docs = make_readme._field_docs
+
+    for key in NO_EFFECT_KEYS:
+        section, _, name = key.partition(".")
+        if not name:
+            assert section in OTHER_TOP_LEVEL, key
+        elif section != "model":
+            assert name in {f.name for f in dataclasses.fields(FIXED_SECTIONS[section])}, key
+    for section, cls in FIXED_SECTIONS.items():
+        for name, doc in field_docs(cls).items():
+            if doc.startswith("Accepted, no effect"):
+                assert f"{section}.{name}" in NO_EFFECT_KEYS, (section, name)
+
+
+def test_pipeline_and_cp_values_are_available_to_the_engines():
+    """What the pipeline and context-parallel engines read: validated stage layouts and Ulysses degree."""
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.strategies.parallel_dims import (ParallelismError, cp_ulysses_degree, pipeline_stage_layers,
+                                                  reshard_after_forward)
+
+    auto = ParallelismConfig(pipeline_parallel=2, pipeline_parallel_interleave_num=2)
+    assert pipeline_stage_layers(auto, 8) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    explicit = ParallelismConfig(pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0-2", "3"])
+    assert pipeline_stage_layers(explicit, 4) == [[[0, 1, 2]], [[3]]]
+    lists = ParallelismConfig(pipeline_parallel=2, pipeline_parallel_layers_per_stage=[[0], [1, 2]])
+    assert pipeline_stage_layers(lists, 3) == [[[0]], [[1, 2]]]
+    with pytest.raises(ParallelismError, match=r"Number of layers \(5\) is not divisible by total stages \(4\)"):
+        pipeline_stage_layers(auto, 5)
+    with pytest.raises(ParallelismError, match="cover decoder layers 0..3 exactly once"):
+        pipeline_stage_layers(ParallelismConfig(pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0-1", "1-3"]), 4)
+    with pytest.raises(ParallelismError, match=r"has 1 chunk\(s\); pipeline_parallel_interleave_num is 2"):
+        pipeline_stage_layers(ParallelismConfig(pipeline_parallel=2, pipeline_parallel_interleave_num=2,
+                                                pipeline_parallel_layers_per_stage=["0-1", "2-3"]), 4)
+    assert cp_ulysses_degree(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid",
+                                               ulysses_degree_in_cp=2)) == 2
+    assert cp_ulysses_degree(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses")) == 4
+    assert cp_ulysses_degree(ParallelismConfig(context_parallel=4)) == 1
+    assert reshard_after_forward(ParallelismConfig()) is True
+    assert reshard_after_forward(ParallelismConfig(data_parallel_shard_strategy="optim_grads")) is False
+    assert reshard_after_forward(ParallelismConfig(reshard_after_forward_policy="never")) is False
+    assert reshard_after_forward(ParallelismConfig(data_parallel_shard_strategy="optim_grads",
+                                                   reshard_after_forward_policy="always")) is True
