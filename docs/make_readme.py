@@ -124,7 +124,10 @@ def render() -> str:
            "its siblings, VALUE read as YAML (`true`, `[0-3]`, `{k: v}`; `1e-5` is a float); several "
            "`--config` files merge the same way. `--print_config` prints the resolved configuration (every "
            "fixed section with its defaults, only the `trainer` keys you set): loaded again it is the same "
-           "run.", "",
+           "run. Before anything is allocated, `fit` compares each rank's parameters, gradients and optimizer "
+           "state (the bytes `lit_moe plan` prints) with one device's memory (on a CPU: the available RAM "
+           "shared by this machine's processes) and refuses, in one line with both numbers, a model that "
+           "cannot fit.", "",
            "Top-level keys besides the sections: `callbacks` (user callbacks), `gradient_accumulation_steps` "
            "(graph mode's option, translated into `training.global_batch_size`), MindFormers' `lora_config` "
            "and `eval_dataset` (parsed; a non-null value is refused: not implemented yet) and "

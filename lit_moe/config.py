@@ -618,6 +618,9 @@ OPEN_SECTIONS = ("model", "optimizer", "lr_scheduler")
 OTHER_TOP_LEVEL = ("trainer", "callbacks", "gradient_accumulation_steps", "lora_config", "eval_dataset",
                    "use_remove_redundant_dataset")
 TOP_LEVEL_KEYS = (*FIXED_SECTIONS, *OPEN_SECTIONS, *OTHER_TOP_LEVEL)
+GRAPH_MODEL_BLOCK = ("model.model_config: a graph-mode (graph.yaml) model block; PyNative puts the model keys "
+                     "directly under model:. Convert the file with `lit_moe convert-config graph.yaml -o "
+                     "pynative.yaml`")
 # Keys of MindFormers' graph-mode YAML (graph.yaml) that never appear in a pynative.yaml.
 GRAPH_MODE_KEYS = frozenset({"run_mode", "use_parallel", "runner_config", "parallel_config", "parallel",
                              "runner_wrapper", "moe_config", "recompute_config", "output_dir", "trainer_config",
@@ -631,9 +634,7 @@ def check_top_level(cfg: dict) -> None:
         raise ConfigError(f"the configuration must be a mapping of sections, got {type(cfg).__name__}")
     model = cfg.get("model")
     if isinstance(model, dict) and "model_config" in model:
-        raise ConfigError("model.model_config: a graph-mode (graph.yaml) model block; PyNative puts the model "
-                          "keys directly under model:. Convert the file with `lit_moe convert-config "
-                          "graph.yaml -o pynative.yaml`")
+        raise ConfigError(GRAPH_MODEL_BLOCK)
     graph = sorted(k for k in cfg if k in GRAPH_MODE_KEYS)
     if graph:
         raise ConfigError(f"{graph[0]}: a graph-mode (graph.yaml) key, not a pynative.yaml section; convert the "

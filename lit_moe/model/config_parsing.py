@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import torch
 
-from lit_moe.config import NO_EFFECT_KEYS, ConfigError, suggest
+from lit_moe.config import GRAPH_MODEL_BLOCK, NO_EFFECT_KEYS, ConfigError, suggest
 from lit_moe.ops.activation import SUPPORTED_ACTIVATIONS, SUPPORTED_GELU_APPROXIMATE
 from lit_moe.ops.norm import SUPPORTED_NORMS
 
@@ -81,9 +81,7 @@ def resolve_keys(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, tup
             if key in IGNORED_KEYS:
                 continue
             if key == "model_config":
-                raise ConfigError("model.model_config: a graph-mode (graph.yaml) model block; PyNative puts the "
-                                  "model keys directly under model:. Convert the file with `lit_moe convert-config "
-                                  "graph.yaml -o pynative.yaml`")
+                raise ConfigError(GRAPH_MODEL_BLOCK)
             known = field_names | set(ALIASES) | set(IGNORED_KEYS) | {"rope_scaling", "rope_parameters", "qk_head_dim"}
             raise ConfigError(f"model.{key}: unknown key{suggest(str(key), known)}; the model section takes the "
                               "fields listed in the README's model reference, their MindFormers/Hugging Face "
