@@ -639,6 +639,10 @@ def check_top_level(cfg: dict) -> None:
     if graph:
         raise ConfigError(f"{graph[0]}: a graph-mode (graph.yaml) key, not a pynative.yaml section; convert the "
                           "file with `lit_moe convert-config graph.yaml -o pynative.yaml`")
+    if "seed_everything" in cfg:
+        raise ConfigError("seed_everything: Lightning's seed key; lit_moe seeds everything from training.seed. "
+                          "Remove it (an older --print_config output also carries trainer.max_steps: -1, which "
+                          "would override training.steps: remove that too)")
     for key in cfg:
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(f"{key}: unknown top-level key{suggest(str(key), TOP_LEVEL_KEYS)}; sections are "

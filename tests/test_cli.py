@@ -283,6 +283,7 @@ MISPLACED = [
     ({"model": {"num_hidden_layer": 2}}, ["model.num_hidden_layer", "did you mean 'num_hidden_layers'"]),
     ({"trainingg": {"steps": 1}}, ["trainingg", "did you mean 'training'"]),
     ({"runner_config": {"batch_size": 1}}, ["runner_config", "convert-config"]),
+    ({"seed_everything": False}, ["seed_everything", "training.seed", "trainer.max_steps: -1"]),
     ({"monitor": {"tensorboard": {"log_intervl": 2}}}, ["monitor.tensorboard.log_intervl", "'log_interval'"]),
     ({"parallelism": {"sequence_paralel": True}}, ["parallelism.sequence_paralel", "'sequence_parallel'"]),
 ]

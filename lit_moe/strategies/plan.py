@@ -272,15 +272,20 @@ def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, rec
                recompute_comm: Any, optimizer_section: Optional[dict], accelerator: str,
                local_processes: int) -> None:
     """Refuse, before anything is allocated, a run whose per-rank parameters, gradients and optimizer
-    state (what ``lit_moe plan`` prints) exceed the memory of one rank's device."""
-    if dist.is_initialized():  # inside a running job: the launcher's processes checked before it
-        return
-    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section)
-    need = state_bytes(mem, parallelism)
+    state exceed the memory of one rank's device. One rank: exactly the bytes ``lit_moe plan`` prints
+    (model on the meta device). Several ranks: the whole model's bytes divided by the world size, a
+    lower bound of every rank's share (no layout holds less per rank), so a refusal is never wrong;
+    ``lit_moe plan`` gives the exact per-rank numbers. (``fit`` does not build the meshes on a fake
+    process group as ``plan`` does: its processes are about to join the real one.)"""
+    from lit_moe.strategies.parallel_dims import ParallelDims
+
+    whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism, optimizer_section=optimizer_section)
+    need = state_bytes(whole, parallelism) // dims.world_size
     have, what = device_memory(accelerator, local_processes)
     if need > have:
+        share = "needs" if dims.world_size == 1 else "needs at least"
         raise ConfigError(
-            f"model: does not fit: each of the {dims.world_size} rank(s) needs {_fmt_bytes(need)} for parameters, "
+            f"model: does not fit: each of the {dims.world_size} rank(s) {share} {_fmt_bytes(need)} for parameters, "
             f"gradients and optimizer state (lit_moe plan), but has {_fmt_bytes(have)} ({what}); use more ranks "
             "(parallelism.data_parallel_shard / expert_parallel / tensor_parallel), a smaller model, or for "
             "activations recompute and a smaller training.local_batch_size")
