@@ -4,7 +4,8 @@
 ``optimizer``, ``lr_scheduler``, ``parallelism``, ``recompute``, ``recompute_comm``, ``train_dataset``,
 ``model``, ``monitor``, ``callbacks``, ``profiler``, ``context``; ``trainer:`` is an expert escape hatch),
 validates everything before anything large is allocated, then builds the LightningModule, the DataModule,
-the strategy and the callbacks and runs ``Trainer.fit``.
+the strategy and the callbacks and runs ``Trainer.fit``. The files and the ``--SECTION.KEY VALUE``
+overrides are merged by :mod:`lit_moe.config_file` into one mapping, which LightningCLI then parses.
 
 The other subcommands (``plan``, ``preprocess``, ``convert-config``, ``convert-hf``) are plain argparse
 programs living next to the code they drive.
@@ -502,11 +503,12 @@ def main(args: Optional[list[str]] = None) -> int:
 
     try:
         cfg, rest, config_paths = load_run_config(argv[1:])
-        if "--print_config" in rest:
+        if any(a.partition("=")[0] == "--print_config" for a in rest):
             import yaml
 
             sys.stdout.write(yaml.safe_dump(printable_config(cfg), sort_keys=False))
             return 0
+        rest = [a for a in rest if a.partition("=")[0] != "--print_config"]
         if rest:
             raise ConfigError(f"unexpected argument {rest[0]!r}; options are --config FILE and --SECTION.KEY VALUE")
         _remember_run_config(cfg, config_paths)

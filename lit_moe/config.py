@@ -1,9 +1,15 @@
 """The sections of a MindFormers ``pynative.yaml``, as dataclasses whose field docstrings are the docs.
 
-Fixed sections (``checkpoint``, ``training``, ``parallelism``, ``recompute``, ``recompute_comm``,
-``train_dataset``, ``monitor``, ``profiler``, ``context``) reject unknown keys. ``model``,
+Every key of MindFormers' PyNative config classes is a field here: implemented with MindFormers'
+meaning, refused with a one-line "not yet" error when its value needs an engine lit_moe lacks, or
+accepted without effect and listed, with the reason, in :data:`NO_EFFECT_KEYS` (the one list; the
+README's table and the ``model`` section read it).
+
+Fixed sections (``FIXED_SECTIONS``) reject unknown keys with a did-you-mean suggestion.
 ``optimizer``, ``lr_scheduler`` and ``train_dataset.dataloader`` accept extra keys, as in MindFormers
-(``allow_extra``), and are kept as plain dicts here; their consumers validate them.
+(``allow_extra``), and are kept as plain dicts; their consumers validate them. ``model`` is read by
+``lit_moe.model.DeepseekV3Config``, which refuses keys it does not know. Reading YAML files and
+command-line overrides lives in :mod:`lit_moe.config_file`.
 
 Every validation error is a :class:`ConfigError` whose message names the field (``section.key``)
 and the offending value; the CLI prints it as one line and exits with code 2.
