@@ -135,8 +135,8 @@ class ParallelismConfig:
     what lit_moe implements), ``ulysses`` or ``hybrid`` (validated with MindFormers' rules; not yet
     implemented when ``context_parallel > 1``)."""
     context_parallel_async: bool = False
-    """Asynchronous context-parallel communication; MindFormers allows it only with ``ulysses`` and
-    ``hybrid`` (its error otherwise)."""
+    """Asynchronous context-parallel communication; with ``context_parallel > 1`` MindFormers allows it
+    only with ``ulysses`` and ``hybrid`` (its error otherwise)."""
     ulysses_degree_in_cp: Optional[int] = None
     """Ulysses degree inside the context-parallel group: ``ulysses`` needs it equal to
     ``context_parallel`` (or null), ``hybrid`` needs ``1 < u < context_parallel`` dividing it."""

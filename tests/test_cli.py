@@ -324,7 +324,7 @@ RULES = [
     ("parallelism.reshard_after_forward_policy", "sometimes", {}, ["Invalid reshard_after_forward_policy: 'sometimes'"]),
     ("parallelism.cpu_offload", True, {}, ["cpu_offload", "not implement yet"]),
     ("parallelism.context_parallel_method", "ring", {}, ["Unsupported context_parallel_method: 'ring'."]),
-    ("parallelism.context_parallel_async", True, {}, ["Async context parallel currently supports 'ulysses' and "
+    ("parallelism.context_parallel_async", True, {"parallelism.context_parallel": 2}, ["Async context parallel currently supports 'ulysses' and "
                                                        "'hybrid' only"]),
     ("parallelism.context_parallel_mask_type", "full", {}, ["only supports pure causal mask, got 'full'"]),
     ("parallelism.context_parallel_method", "ulysses", {"parallelism.context_parallel": 2},

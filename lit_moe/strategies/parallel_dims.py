@@ -409,7 +409,7 @@ def check_parallelism_keys(p: Any) -> None:
                                f"pure causal mask, got {p.context_parallel_mask_type!r}.")
     method = _choice(p, "context_parallel_method", CONTEXT_PARALLEL_METHODS,
                      f"Unsupported context_parallel_method: {p.context_parallel_method!r}.")
-    if p.context_parallel_async and method == "colossal":
+    if p.context_parallel_async and method == "colossal" and cp > 1:
         raise ParallelismError("parallelism.context_parallel_async: Async context parallel currently supports "
                                "'ulysses' and 'hybrid' only; set it to false with context_parallel_method 'colossal'.")
     if cp > 1:
