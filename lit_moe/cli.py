@@ -311,6 +311,10 @@ def build_run(cfg: Any) -> Run:
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
     accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
+    if dims.pp > 1:
+        from lit_moe.strategies.pipeline import check_pipeline_run
+
+        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
 
     try:
         from lit_moe.strategies.recompute import validate_recompute

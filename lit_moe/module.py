@@ -216,6 +216,13 @@ class LitMoE(LightningModule):
         With ``gradient_sync_every_microbatch: False`` gradients are reduced only after the last."""
         A = self.accumulation_steps
         strategy = self.step_strategy
+        pipeline = getattr(strategy, "pipeline", None)
+        if pipeline is not None:  # a pipeline schedule runs all micro-batches through every stage
+            record = pipeline.forward_backward_record(micro_batches)
+            self._loss_sum, self._micro_losses, self._moe_aux_sum = record.losses, record.micro_losses, record.moe_aux
+            self._has_aux, self._has_mtp = record.has_aux, record.has_mtp
+            self._tokens += sum(int(b["input_ids"].numel()) for b in micro_batches)
+            return
         for k, batch in enumerate(micro_batches):
             strategy.set_gradient_sync(k == len(micro_batches) - 1)
             out = self.model(**batch)

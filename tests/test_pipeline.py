@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,24 +42,24 @@ def test_auto_split_and_explicit_ranges():
     # MindFormers: chunk c of rank r is stage c*P + r; ranges are inclusive, uneven allowed
     assert split_layers(["0-2,5-5", "3-4,6-7"], 8, 2, 2) == [(0, 3), (3, 5), (5, 6), (6, 8)]
     assert split_layers(["0", "1-6"], 7, 2) == [(0, 1), (1, 7)]
-    assert split_layers("0-2|3-4", 5, 2) == [(0, 3), (3, 5)]
+    assert split_layers([[0, 1, 2], [3]], 4, 2) == [(0, 3), (3, 4)]
 
 
 @pytest.mark.parametrize("spec, layers, pp, v, words", [
-    ("auto", 7, 2, 1, "divisible"),
-    (["0-3"], 8, 2, 1, "1 entries"),
-    (["0-3", "4-6"], 8, 2, 1, "end at layer 6"),
-    (["0-3", "5-7"], 8, 2, 1, "stage 1 starts at layer 5"),
-    (["0-3,4-5", "6-7"], 8, 2, 2, "rank 1 has 1 range"),
-    (["3-0", "4-7"], 8, 2, 1, "0 <= start <= end"),
-    (["a-b", "4-7"], 8, 2, 1, "'a-b' is not a layer range"),
-    ([[0, 1], [2, 3]], 4, 2, 1, "expected 'auto' or a list"),
+    ("auto", 7, 2, 1, "not divisible"),
+    (["0-3"], 8, 2, 1, "list of 2 entries"),
+    (["0-3", "4-6"], 8, 2, 1, "exactly once"),
+    (["4-7", "0-3"], 8, 2, 1, "stage 0 holds layers [4, 5, 6, 7]"),
+    ([[0, 2], [1, 3]], 4, 2, 1, "contiguous"),
+    (["0-3,4-5", "6-7"], 8, 2, 2, "chunk"),
+    (["3-0", "4-7"], 8, 2, 1, "a <= b"),
+    (["a-b", "4-7"], 8, 2, 1, "'a-b' is not a layer id"),
 ])
 def test_bad_layer_split_is_one_line(spec, layers, pp, v, words):
-    with pytest.raises(PipelineError) as err:
+    with pytest.raises(ParallelismError) as err:
         split_layers(spec, layers, pp, v)
     msg = str(err.value)
-    assert "parallelism.pipeline_parallel_layers_per_stage" in msg and words in msg and "\n" not in msg
+    assert "parallelism.pipeline_parallel_layers_per_stage" in msg and words in msg and "\n" not in msg, msg
 
 
 def test_schedules():

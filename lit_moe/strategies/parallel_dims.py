@@ -274,7 +274,7 @@ def _shared_expert_width(cfg: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 # the MindFormers parallelism keys that have no mesh of their own
 # ----------------------------------------------------------------------------------------------
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")  # the last two: torch's zero bubble
 CONTEXT_PARALLEL_METHODS = ("colossal", "ulysses", "hybrid")
 IMPLEMENTED_CP_METHODS = ("colossal",)   # what lit_moe.strategies.context_parallel does
 RESHARD_POLICIES = ("always", "never", "default")
@@ -433,8 +433,9 @@ def check_parallelism_keys(p: Any) -> None:
         raise ParallelismError("parallelism.pipeline_parallel_layers_per_stage: expected null, 'auto' or a list "
                                f"of per-stage layer ranges, got {spec!r}")
     if pp > 1:
-        raise ParallelismError(f"parallelism.pipeline_parallel: {pp} needs the pipeline-parallel engine, which lit_moe "
-                               "does not implement yet (only 1); use data, tensor, context and expert parallelism")
+        from lit_moe.strategies.pipeline import resolve_schedule
+
+        resolve_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_interleave_num)
     # experts
     _check_degree("npu_nums_per_device", p.npu_nums_per_device)
     if p.moe_token_dispatcher_type == "alltoall_deredundancy":
@@ -465,7 +466,9 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}) must be "
                                    f"divisible by ulysses_degree ({degree}).")
     if dims.pp > 1:
-        pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
+        from lit_moe.strategies.pipeline import PipelineLayout
+
+        PipelineLayout.from_config(p, getattr(model_config, "num_hidden_layers"))
 
 
 def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float], Optional[float]]:

@@ -29,13 +29,14 @@ forward, the aux loss' gradient ``1/A`` injected backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_moe.config import ConfigError
+from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
 
@@ -43,7 +44,7 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")
 _MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
 
 
-class PipelineError(ConfigError):
+class PipelineError(ParallelismError):
     """An impossible pipeline layout; the message names the ``parallelism`` key and the numbers."""
 
 
@@ -70,65 +71,31 @@ def resolve_schedule(schedule: Optional[str], interleave: int) -> str:
     return name
 
 
-def _parse_range(text: str, rank: int) -> tuple[int, int]:
-    parts = text.strip().split("-")
-    try:
-        if len(parts) > 2:
-            raise ValueError
-        start, end = int(parts[0]), int(parts[-1])
-    except ValueError:
-        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank}: {text.strip()!r} is "
-                            "not a layer range 'a-b' or a layer 'a'") from None
-    if start < 0 or start > end:
-        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank}: range {text.strip()!r} "
-                            "must have 0 <= start <= end")
-    return start, end + 1
-
-
 def split_layers(spec: Any, num_layers: int, pp: int, interleave: int = 1) -> list[tuple[int, int]]:
     """Half-open layer ranges ``[start, end)`` of the ``pp · interleave`` stages, in stage order.
 
-    ``spec``: ``"auto"`` (even split; the layer count must divide) or MindFormers' explicit form, a
-    list of ``pp`` strings each with ``interleave`` comma-separated inclusive ranges (also accepted:
-    one string with the ranks separated by ``|``). Uneven stages are allowed; together the ranges
-    must cover ``0..num_layers-1`` once, in stage order."""
-    stages = pp * interleave
-    if spec is None or spec == "auto":
-        if num_layers % stages:
-            raise PipelineError(
-                f"parallelism.pipeline_parallel_layers_per_stage: 'auto' needs model.num_hidden_layers "
-                f"{num_layers} divisible by pipeline_parallel {pp} * pipeline_parallel_interleave_num "
-                f"{interleave} = {stages}; give explicit ranges instead")
-        per = num_layers // stages
-        return [(s * per, (s + 1) * per) for s in range(stages)]
-    if isinstance(spec, str):
-        spec = spec.split("|")
-    if not isinstance(spec, (list, tuple)) or not all(isinstance(s, str) for s in spec):
-        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: expected 'auto' or a list of "
-                            f"{pp} strings such as '0-3', got {spec!r}")
-    if len(spec) != pp:
-        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: {len(spec)} entries, but "
-                            f"pipeline_parallel is {pp} (one string per pipeline rank)")
-    ranges: list[Optional[tuple[int, int]]] = [None] * stages
-    for rank, text in enumerate(spec):
-        chunks = text.split(",")
-        if len(chunks) != interleave:
-            raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: rank {rank} has {len(chunks)} "
-                                f"range(s) in {text!r}, but pipeline_parallel_interleave_num is {interleave}")
-        for chunk, r in enumerate(chunks):
-            ranges[chunk * pp + rank] = _parse_range(r, rank)
+    ``spec`` is ``pipeline_parallel_layers_per_stage`` as
+    :func:`~lit_moe.strategies.parallel_dims.pipeline_stage_layers` reads it (``"auto"``/null: even
+    split; else one string per rank of ``interleave`` comma-separated inclusive ranges, chunk c of
+    rank r being stage c·P + r; uneven stages allowed). A pipeline also needs every stage to be one
+    contiguous run of layers, the stages following each other."""
+    from lit_moe.strategies.parallel_dims import pipeline_stage_layers
+
+    knobs = SimpleNamespace(pipeline_parallel=pp, pipeline_parallel_interleave_num=interleave,
+                            pipeline_parallel_layers_per_stage=spec)
+    ranges: list[list[int]] = [[] for _ in range(pp * interleave)]
+    for rank, chunks in enumerate(pipeline_stage_layers(knobs, num_layers)):
+        for chunk, ids in enumerate(chunks):
+            ranges[chunk * pp + rank] = list(ids)
     expected = 0
-    for s, (start, end) in enumerate(ranges):  # type: ignore[misc]
-        if start != expected:
+    for s, ids in enumerate(ranges):
+        if not ids or ids[0] != expected or ids != list(range(ids[0], ids[-1] + 1)):
             raise PipelineError(
-                f"parallelism.pipeline_parallel_layers_per_stage: stage {s} starts at layer {start}, expected "
-                f"{expected} (stage c*pipeline_parallel + r is chunk c of rank r; the ranges must cover layers "
-                f"0..{num_layers - 1} once, in stage order)")
-        expected = end
-    if expected != num_layers:
-        raise PipelineError(f"parallelism.pipeline_parallel_layers_per_stage: the ranges end at layer {expected - 1}, "
-                            f"but model.num_hidden_layers is {num_layers}")
-    return ranges  # type: ignore[return-value]
+                f"parallelism.pipeline_parallel_layers_per_stage: stage {s} holds layers {ids}, expected a contiguous "
+                f"run starting at layer {expected} (stage c*pipeline_parallel + r is chunk c of rank r; the stages "
+                "follow each other)")
+        expected = ids[-1] + 1
+    return [(ids[0], ids[-1] + 1) for ids in ranges]
 
 
 @dataclass(frozen=True)
@@ -147,7 +114,7 @@ class PipelineLayout:
         if v < 1:
             raise PipelineError(f"parallelism.pipeline_parallel_interleave_num: must be >= 1, got {v}")
         schedule = resolve_schedule(getattr(parallelism, "pipeline_parallel_schedule", "1f1b"), v)
-        spec = getattr(parallelism, "pipeline_parallel_layers_per_stage", "auto")
+        spec = getattr(parallelism, "pipeline_parallel_layers_per_stage", None)
         return cls(pp, v, schedule, tuple(split_layers(spec, num_layers, pp, v)))
 
     @property
@@ -187,6 +154,18 @@ class PipelineLayout:
             extra = (" + embedding" if s == 0 else "") + (" + norm, head, MTP" if s == self.num_stages - 1 else "")
             lines.append(f"  stage {s} (rank {self.rank_of(s)}): layers {a}-{b - 1}{extra}")
         return lines
+
+
+def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: int, global_batch_size: Any) -> None:
+    """Before launching: the layout is valid for the model and A micro-batches fill the schedule
+    (MindFormers writes A into ``pipeline_parallel_microbatch_size``)."""
+    layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+    layout.check_microbatches(accumulation_steps, global_batch_size)
+    mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
+    if mtp and layout.rank_of(0) == layout.rank_of(layout.num_stages - 1):
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: {layout.schedule} puts the first and the last stage "
+                            "on one rank; not supported with model.num_nextn_predict_layers > 0 (use interleaved_zb or "
+                            "interleaved_1f1b)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,6 +509,17 @@ class PipelineRunner:
             dist.all_reduce(_local(p.grad), group=self.embedding_group)
 
 
+@dataclass
+class PipelineStepRecord:
+    """One step's losses as the training step keeps them (the same on every rank of a pipeline)."""
+
+    losses: torch.Tensor            # [loss, aux_loss, mtp_loss], each the mean over micro-batches (fp64)
+    micro_losses: list[float]       # main loss of each micro-batch / A
+    moe_aux: Optional[torch.Tensor]  # this rank's MoE layers: balancing loss summed over micro-batches
+    has_aux: bool
+    has_mtp: bool
+
+
 class PipelineParallel:
     """What the strategy keeps for a pipeline run and the training step calls: this rank's stages,
     the schedule (built at the first step, when the micro-batch shape is known), the stage-spanning
@@ -571,9 +561,16 @@ class PipelineParallel:
         batch = {k: torch.cat([b[k] for b in micro_batches]) for k in keys}
         return self.runner.step(batch)
 
-    @property
-    def micro_losses(self) -> list[float]:
-        return [] if self.runner is None else [float(x) for x in self.runner.micro_losses]
+    def forward_backward_record(self, micro_batches: list[dict[str, torch.Tensor]]) -> "PipelineStepRecord":
+        """:meth:`forward_backward`, and what the training step records of it."""
+        A = len(micro_batches)
+        losses = self.forward_backward(micro_batches).detach().double().cpu()
+        c = self.container.config
+        return PipelineStepRecord(
+            losses=losses, micro_losses=[float(x) / A for x in self.runner.micro_losses],
+            moe_aux=self.moe_aux_sum(),
+            has_aux=any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
+            has_mtp=c.num_nextn_predict_layers > 0)
 
     def moe_aux_sum(self) -> Optional[torch.Tensor]:
         """This step's balancing loss per MoE layer of the container (summed over micro-batches)."""

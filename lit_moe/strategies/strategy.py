@@ -80,6 +80,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
+        self.pipeline = None   # PipelineParallel with pipeline_parallel > 1 (lit_moe.strategies.pipeline)
 
     # ------------------------------------------------------------------------------------------
     # environment and meshes
@@ -135,7 +136,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
     def batch_replicas(self) -> int:
         """Ranks that receive each sample: the tensor- and context-parallel ranks of one
         data-parallel rank (the sequence is split inside the model)."""
-        return self.parallel_dims.tp * self.parallel_dims.cp
+        return self.parallel_dims.tp * self.parallel_dims.cp * self.parallel_dims.pp
 
     def _meshes_ready(self) -> bool:
         return self._parallel_dims is not None and bool(self._parallel_dims.meshes)
@@ -149,6 +150,16 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
 
         if self._parallelized is model:  # configure_model may run more than once
             return model
+        if self.parallel_dims.pp > 1:
+            from lit_moe.strategies.pipeline import PipelineParallel
+
+            # the model becomes this rank's stages (every local parameter under its global name)
+            self.pipeline = PipelineParallel.build(
+                model, self.parallel_dims, self.parallelism, self.recompute, self.recompute_comm,
+                self.model_config if self.model_config is not None else getattr(model, "config", None),
+                self.accumulate_allreduce_grads_in_fp32)
+            self._parallelized = self.pipeline.container
+            return self._parallelized
         model = parallelize(
             model,
             self.parallel_dims,
@@ -166,6 +177,8 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------
     def grad_norm(self, parameters: Iterable[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm (fp32) of the gradients over every mesh, each value counted once."""
+        if self.pipeline is not None:   # every stage's gradients, the MTP embedding copy once
+            return self.pipeline.grad_norm(list(parameters))
         return global_grad_norm(parameters)
 
     def clip_grads_with_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -209,9 +222,6 @@ def check_parallelism_section(p: ParallelismConfig) -> None:
         raise ParallelismError(
             f"parallelism.process_group_timeout_s: must be a positive number of seconds, got "
             f"{p.process_group_timeout_s!r}")
-    if p.pipeline_parallel != 1:
-        raise ParallelismError(
-            f"parallelism.pipeline_parallel: {p.pipeline_parallel!r} is not supported yet (only 1)")
 
 
 def register_strategy() -> None:
