@@ -532,7 +532,6 @@ class PipelineParallel:
                  embedding_group_: Optional[dist.ProcessGroup]) -> None:
         self.dims, self.layout, self.container, self.parts = dims, layout, container, parts
         self.embedding_group = embedding_group_
-        self.duplicates = embedding_duplicates(container, layout, len(container.mtp) > 0)
         self.runner: Optional[PipelineRunner] = None
 
     @classmethod
@@ -587,8 +586,10 @@ class PipelineParallel:
         return out
 
     def grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        # looked up now: materialising the container (to_empty) replaced its parameter objects
+        duplicates = embedding_duplicates(self.container, self.layout, len(self.container.mtp) > 0)
         return pipeline_grad_norm(params, self.dims.mesh("stage").get_group(), self.dims.mesh("pp").get_group(),
-                                  self.duplicates)
+                                  duplicates)
 
 
 def _embedding_params(model: nn.Module) -> list[nn.Parameter]:
