@@ -156,6 +156,8 @@ class IterationCheckpoint(Callback):
                 optim.update(pieces_of(tensors))
                 optim_extra.update(other)
                 groups.append([dict(g) for g in osd["param_groups"]])
+        if groups and comm.enabled:
+            groups = _all_ranks_param_groups(comm.all_gather(groups))
         if cfg.remove_redundancy and comm.enabled:
             keep = assign_writers(comm, model)
             model = {k: v for k, v in model.items() if k in keep}
@@ -220,3 +222,15 @@ def build_checkpoint_callback(cfg: CheckpointConfig) -> Optional[IterationCheckp
     if not cfg.enable_save and not cfg.load_path:
         return None
     return IterationCheckpoint(cfg)
+
+
+def _all_ranks_param_groups(per_rank: list[list[list[dict]]]) -> list[list[dict]]:
+    """Every rank's parameter names in each group (rank 0's hyper-parameters): pipeline stages
+    hold different parameters, and a run under another layout loads the names it holds."""
+    merged = [[dict(g) for g in opt_groups] for opt_groups in per_rank[0]]
+    for rank_groups in per_rank[1:]:
+        for opt, opt_groups in zip(merged, rank_groups):
+            for group, other in zip(opt, opt_groups):
+                seen = set(group["params"])
+                group["params"] = list(group["params"]) + [p for p in other["params"] if p not in seen]
+    return merged

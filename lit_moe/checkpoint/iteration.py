@@ -444,7 +444,8 @@ def load_optimizers(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
                     st[name] = nontensor[key]
         live_groups = osd["param_groups"]
         saved = saved_groups[i]
-        if len(saved) != len(live_groups) or any(list(s["params"]) != list(g["params"])
+        # the live groups may hold a subset of the saved names (pipeline stages: each rank its own)
+        if len(saved) != len(live_groups) or any(not set(g["params"]) <= set(s["params"])
                                                  for s, g in zip(saved, live_groups)):
             raise CheckpointError(f"optimizer {i} in {reader.path} has different parameter groups than the run "
                                   f"({[len(s['params']) for s in saved]} vs {[len(g['params']) for g in live_groups]} "
