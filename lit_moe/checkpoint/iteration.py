@@ -394,7 +394,10 @@ def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool
     prefix = _common_prefix(mapping)
     targets = {mapping[k]: p for k, p in live.items()}
     view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix)})
-    check_shapes(view, targets, "the model weights", reader.path)
+    # A pipeline stage holds part of the model: the other stages' tensors are theirs to load (the
+    # whole checkpoint was checked against the whole model before launching).
+    partial = any(getattr(m, "holds_part_of_model", False) for m in module.modules())
+    check_shapes(view, targets, "the model weights", reader.path, strict_unexpected=not partial)
     fill(index, targets, balanced)
     set_model_state_dict(module, sd)
 
@@ -435,7 +438,8 @@ def load_optimizers(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
         tensors, _ = split_optimizer_state(i, osd)
         targets = pieces_of(tensors)
         view = _SubIndex(index, {k for k in index.keys() if k.startswith(f"{i}/")})
-        check_shapes(view, targets, f"optimizer {i} state", reader.path)
+        partial = any(getattr(m, "holds_part_of_model", False) for m in module.modules())  # see load_module
+        check_shapes(view, targets, f"optimizer {i} state", reader.path, strict_unexpected=not partial)
         fill(index, targets, balanced)
         for fqn, st in osd["state"].items():
             for name in list(st):

@@ -200,6 +200,8 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
     that is not the last returns the hidden state; the last returns ``[loss, aux_loss, mtp_loss]``.
     """
 
+    holds_part_of_model = True   # checkpoint loading: the other stages' tensors are not unexpected
+
     def __init__(self, model: DeepseekV3ForCausalLM, layer_ids: Sequence[int], first: bool, last: bool):
         nn.Module.__init__(self)
         self.config = model.config
