@@ -143,10 +143,11 @@ class ParallelismConfig:
     context_parallel_mask_type: str = "causal"
     """Only ``causal`` (MindFormers' only value)."""
     pipeline_parallel: int = 1
-    """Pipeline-parallel degree. Only 1 is supported for now."""
+    """Pipeline-parallel degree: decoder layers split over this many stages (torch.distributed.pipelining)."""
     pipeline_parallel_schedule: str = "1f1b"
     """``1f1b``, ``interleaved_1f1b`` or ``gpipe`` (``1f1b`` becomes ``interleaved_1f1b`` with
-    ``pipeline_parallel_interleave_num > 1``, as in MindFormers). Used when ``pipeline_parallel > 1``."""
+    ``pipeline_parallel_interleave_num > 1``, as in MindFormers); also torch's zero-bubble ``interleaved_zb``
+    and ``zbv``. Used when ``pipeline_parallel > 1``."""
     pipeline_parallel_microbatch_size: int = 1
     """Accepted, no effect (see "Keys accepted without effect")."""
     pipeline_parallel_interleave_num: int = 1

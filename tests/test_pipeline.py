@@ -9,8 +9,8 @@ The reference is the plain model in this pytest process; the layouts run as real
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,6 +326,51 @@ def test_layout_matches_one_process(name, runs, references):
     assert seen_bias == set(ref["bias"][0])
     # the clip is active in these runs (so the global norm matters)
     assert max(ref["grad_norm"]) > MAX_NORM
+
+
+# ----------------------------------------------------------------------------------------------
+# the real run: lit_moe fit under pp2, checkpoints across layouts
+# ----------------------------------------------------------------------------------------------
+STEP_LINE = re.compile(r"step (\d)/3 \| loss ([0-9.]+) \| aux_loss ([0-9.]+) \| mtp_loss ([0-9.]+) \| lr \S+ \| "
+                       r"grad_norm ([0-9.]+)")
+
+
+def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "") -> dict[int, tuple]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import tiny_config, write_config
+
+    cfg = tiny_config(tmp_path, steps=3, parallelism={"pipeline_parallel": pp})
+    cfg["model"].update(num_hidden_layers=4, compute_dtype="float32")
+    cfg["training"].update(local_batch_size=1, global_batch_size=4)
+    cfg["checkpoint"].update(enable_save=save, save_interleaved_steps=2, save_path=str(tmp_path / f"ckpt_{name}"),
+                             load_path=load)
+    path = write_config(tmp_path, cfg, f"{name}.yaml")
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "-m"]
+                if pp > 1 else [sys.executable, "-m"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in STEP_LINE.finditer(log)}
+
+
+@pytest.mark.timeout(900)
+def test_fit_and_resume_across_layouts(tmp_path):
+    """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses and global gradient norm of one
+    process; a checkpoint saved at step 2 under pp2 resumes in one process, and one saved in one
+    process resumes under pp2, both continuing exactly as the uninterrupted run."""
+    one = _fit(tmp_path, "one", 1, save=True)
+    pp2 = _fit(tmp_path, "pp2", 2, save=True)
+    assert sorted(one) == sorted(pp2) == [1, 2, 3]
+    for step in one:
+        assert _rel(pp2[step], one[step]) < 1e-5, (step, pp2[step], one[step])
+    to_one = _fit(tmp_path, "pp2_to_one", 1, load=str(tmp_path / "ckpt_pp2" / "iteration_00000002"))
+    to_pp2 = _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))
+    for resumed in (to_one, to_pp2):
+        assert sorted(resumed) == [3]
+        assert _rel(resumed[3], one[3]) < 1e-5, (resumed[3], one[3])
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":

@@ -161,6 +161,11 @@ def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: 
     (MindFormers writes A into ``pipeline_parallel_microbatch_size``)."""
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
+    for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
+        if getattr(parallelism, key, False):
+            raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
+                                "pipelining schedules; for split input/weight gradients use interleaved_zb or zbv); "
+                                "set it to false")
     mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
     if mtp and layout.rank_of(0) == layout.rank_of(layout.num_stages - 1):
         raise PipelineError(f"parallelism.pipeline_parallel_schedule: {layout.schedule} puts the first and the last stage "

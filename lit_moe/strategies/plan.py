@@ -201,6 +201,14 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
           f"{_fmt_bytes(mem['unsharded_grads'])}", file=out)
     p(f"  optimizer state ({optimizer_section.get('type', 'AdamW')}, fp32): {_fmt_bytes(mem['optimizer'])}", file=out)
     p(f"  total (without activations): {_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
+    if dims.pp > 1:
+        from lit_moe.strategies.pipeline import PipelineLayout, plan_stages
+
+        layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+        p("pipeline (the memory above is of the whole model; each pipeline rank holds its stages' part)", file=out)
+        for line in plan_stages(layout, mem["params_by_name"], model_config.num_hidden_layers,
+                                model_config.num_nextn_predict_layers > 0, accumulation):
+            p(f"  {line}", file=out)
     return {"dims": dims, "accumulation": accumulation, "total": total, "active": active, "flops": flops,
             "memory": mem}
 
@@ -223,10 +231,18 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
             model = DeepseekV3ForCausalLM(model_config)
         model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
                             model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
-        return local_bytes(model, optimizer_section)
+        return {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model)}
     finally:
         dist.destroy_process_group()
         dims.meshes = {}
+
+
+def _param_bytes_by_name(model: torch.nn.Module) -> dict[str, int]:
+    """Local shard bytes of each parameter (per-stage sums of a pipeline plan)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p._local_tensor if isinstance(p, DTensor) else p).numel() * p.element_size()
+            for n, p in model.named_parameters()}
 
 
 def state_bytes(mem: dict[str, int], parallelism: ParallelismConfig) -> int:

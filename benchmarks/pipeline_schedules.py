@@ -1,0 +1,133 @@
+"""Step time of the pipeline schedules on 4 CPU ranks, and each rank's measured parameter,
+gradient and optimizer bytes against the plan's per-stage prediction.
+
+    python benchmarks/pipeline_schedules.py [--steps 4] [--layers 8] [--microbatches 8]
+
+Every schedule runs the same tiny DeepSeek-V3 (MoE, MTP off), pp4, A micro-batches of one sample,
+AdamW; step time is the median wall time of ``--steps`` steps after one warm-up step. Schedules:
+``gpipe`` and ``1f1b`` (one stage per rank), ``interleaved_1f1b``, ``interleaved_zb`` and ``zbv``
+(two stages per rank). Printed: median step time, its ratio to 1f1b, the plan's ideal bubble
+fraction and in-flight micro-batch chunks, and per rank measured vs planned static bytes
+(parameters + gradients + AdamW's two moments, fp32). The memory target: within 15% of the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2)]
+WORLD = 4
+
+
+def model_section(layers: int) -> dict:
+    return dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=4,
+                q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                moe_aux_loss_coeff=0.01, moe_router_enable_expert_bias=True, num_nextn_predict_layers=0,
+                seq_length=128, max_position_embeddings=256, position_embedding_type="rope",
+                params_dtype="float32", compute_dtype="float32")
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies import ParallelDims
+    from lit_moe.strategies.pipeline import PipelineParallel, in_flight_microbatches, bubble_fraction, plan_stages
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = DeepseekV3Config(**model_section(args.layers))
+    A, S = args.microbatches, cfg.seq_length
+    results = {}
+    for schedule, v in SCHEDULES:
+        dims = ParallelDims(WORLD, pp=WORLD)
+        dims.build_meshes("cpu")
+        p = ParallelismConfig(pipeline_parallel=WORLD, pipeline_parallel_schedule=schedule,
+                              pipeline_parallel_interleave_num=v)
+        with torch.device("meta"):
+            full = DeepseekV3ForCausalLM(cfg)
+        planned = {n: t.numel() * t.element_size() for n, t in full.named_parameters()}
+        pipe = PipelineParallel.build(full, dims, p, model_config=cfg)
+        model = pipe.container
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        opt = torch.optim.AdamW(list(model.parameters()), lr=1e-3, foreach=False)
+        g = torch.Generator().manual_seed(0)
+        times = []
+        for step in range(args.steps + 1):
+            tok = torch.randint(0, cfg.vocab_size, (A, S + 1), generator=g)
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.forward_backward([{"input_ids": tok[i:i + 1, :-1], "labels": tok[i:i + 1, 1:]} for i in range(A)])
+            opt.step()
+            dist.barrier()
+            if step:
+                times.append(time.perf_counter() - t0)
+            if step < args.steps:
+                opt.zero_grad(set_to_none=True)
+        params = sum(t.numel() * t.element_size() for t in model.parameters())
+        grads = sum(t.grad.numel() * t.grad.element_size() for t in model.parameters() if t.grad is not None)
+        states = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        # the plan: this rank's stages' parameters, fp32, x4 (parameter, gradient, AdamW's two moments)
+        line = [x for x in plan_stages(pipe.layout, planned, cfg.num_hidden_layers, False, A)
+                if x.startswith(f"  pipeline rank {rank}:")][0]
+        planned_params = int(line.split("parameters ")[1].split(" bytes")[0])
+        results[schedule] = dict(time=statistics.median(times), measured=params + grads + states,
+                                 planned=4 * planned_params, in_flight=in_flight_microbatches(pipe.layout, rank, A),
+                                 bubble=bubble_fraction(pipe.layout, A))
+    rows = [None] * WORLD
+    dist.all_gather_object(rows, results)
+    if rank == 0:
+        print(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__,
+           "--worker", "--steps", str(args.steps), "--layers", str(args.layers), "--microbatches", str(args.microbatches)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    rows = json.loads([x for x in proc.stdout.splitlines() if x.startswith("[")][-1])
+    base = max(r["1f1b"]["time"] for r in rows)
+    print(f"pp{WORLD}, {args.layers} layers, A={args.microbatches}, {args.steps} timed steps (median, slowest rank)")
+    print(f"{'schedule':18s} {'step s':>8s} {'vs 1f1b':>8s} {'bubble':>7s}  in-flight chunks per rank")
+    worst = 0.0
+    for schedule, _ in SCHEDULES:
+        t = max(r[schedule]["time"] for r in rows)
+        print(f"{schedule:18s} {t:8.3f} {t / base:8.2f} {rows[0][schedule]['bubble']:7.3f}  "
+              f"{[r[schedule]['in_flight'] for r in rows]}")
+        for r in rows:
+            worst = max(worst, abs(r[schedule]["measured"] / r[schedule]["planned"] - 1))
+    print("static bytes per rank (measured / planned):",
+          {s: [f"{r[s]['measured'] / r[s]['planned']:.3f}" for r in rows] for s, _ in SCHEDULES})
+    print(f"worst static-memory deviation from the plan: {worst:.1%} (target: within 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
