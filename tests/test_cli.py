@@ -338,7 +338,7 @@ RULES = [
     ("parallelism.pipeline_parallel_schedule", "zb", {}, ["pipeline_parallel_schedule", "'zb'", "'1f1b'"]),
     ("parallelism.pipeline_parallel_interleave_num", 0, {}, ["pipeline_parallel_interleave_num", ">= 1"]),
     ("parallelism.pipeline_parallel", 2, {"parallelism.pipeline_parallel_schedule": "gpipe"},
-     ["pipeline_parallel: 2", "not implement yet"]),
+     ["pipeline_parallel(2)", "world_size(1)"]),
     ("parallelism.pipeline_parallel_p2p_transport", "rdma", {}, ["pipeline_parallel_p2p_transport", "'rdma'"]),
     ("parallelism.moe_token_dispatcher_type", "alltoall_deredundancy", {},
      ["expert_parallel must be greater than or equal to npu_nums_per_device when using 'alltoall_deredundancy'"]),

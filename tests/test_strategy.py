@@ -65,7 +65,7 @@ BAD = [
     (dict(world_size=8, dp_shard=3), ["data_parallel_shard", "3", "data_parallel 8"]),
     (dict(world_size=8, dp_shard=16), ["data_parallel_shard", "16", "data_parallel 8"]),
     (dict(world_size=8, dp_shard=0), ["data_parallel_shard", "0"]),
-    (dict(world_size=8, pp=2), ["pipeline_parallel", "2", "not supported yet"]),
+    (dict(world_size=6, pp=4), ["world_size(6)", "pipeline_parallel(4)"]),
     (dict(world_size=8, tp=0), ["tensor_parallel", "0"]),
 ]
 
@@ -185,7 +185,6 @@ def test_strategy_is_registered_and_validates_its_section():
     assert s._timeout == timedelta(seconds=17)       # a dead rank ends the job after 17 s
     for field, value, word in [("data_parallel_shard_strategy", "zero9", "optim_grads"),
                                ("moe_token_dispatcher_type", "ring", "allgather"),
-                               ("pipeline_parallel", 2, "not supported yet"),
                                ("process_group_timeout_s", 0, "positive")]:
         with pytest.raises(ConfigError, match=field):
             check_parallelism_section(ParallelismConfig(**{field: value}))

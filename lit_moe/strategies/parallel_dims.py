@@ -432,10 +432,6 @@ def check_parallelism_keys(p: Any) -> None:
     if spec is not None and spec != "auto" and not isinstance(spec, list):
         raise ParallelismError("parallelism.pipeline_parallel_layers_per_stage: expected null, 'auto' or a list "
                                f"of per-stage layer ranges, got {spec!r}")
-    if pp > 1:
-        from lit_moe.strategies.pipeline import resolve_schedule
-
-        resolve_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_interleave_num)
     # experts
     _check_degree("npu_nums_per_device", p.npu_nums_per_device)
     if p.moe_token_dispatcher_type == "alltoall_deredundancy":
@@ -465,10 +461,8 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
         if heads % degree:
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}) must be "
                                    f"divisible by ulysses_degree ({degree}).")
-    if dims.pp > 1:
-        from lit_moe.strategies.pipeline import PipelineLayout
-
-        PipelineLayout.from_config(p, getattr(model_config, "num_hidden_layers"))
+    if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
+        pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
 
 def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float], Optional[float]]:

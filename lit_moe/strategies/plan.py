@@ -151,6 +151,10 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     dims.validate_model(model_config, seq_length)
     check_parallel_layout(parallelism, dims, model_config)
     accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
+    if dims.pp > 1:
+        from lit_moe.strategies.pipeline import check_pipeline_run
+
+        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
 
     from lit_moe.model import sizing
 
