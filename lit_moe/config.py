@@ -94,7 +94,19 @@ class ParallelismConfig:
     """Tensor-parallel degree (with sequence parallelism) for attention, dense MLP, shared experts,
     embedding and head."""
     context_parallel: int = 1
-    """Context-parallel degree: the sequence is split across this many ranks."""
+    """Context-parallel degree: the sequence is split across this many ranks (zig-zag: 2·cp chunks,
+    rank r holds chunks r and 2·cp-1-r, so causal attention work is equal on every rank)."""
+    context_parallel_method: str = "colossal"
+    """How attention sees the other ranks' tokens: ``colossal`` (all-gather keys and values),
+    ``ulysses`` (all-to-all from sequence shards to head shards and back; the heads per
+    tensor-parallel rank must divide by context_parallel) or ``hybrid`` (ulysses inside groups of
+    ``ulysses_degree_in_cp`` ranks, all-gather across the groups)."""
+    context_parallel_async: bool = False
+    """Overlap the ulysses all-to-alls with attention (head groups pipelined). MindFormers allows it
+    for ``ulysses`` and ``hybrid`` only."""
+    ulysses_degree_in_cp: Optional[int] = None
+    """Ulysses degree u: ``ulysses`` needs it unset or equal to context_parallel; ``hybrid`` needs
+    1 < u < context_parallel with context_parallel % u == 0."""
     pipeline_parallel: int = 1
     """Pipeline-parallel degree. Only 1 is supported for now."""
     expert_parallel: int = 1

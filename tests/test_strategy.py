@@ -91,9 +91,8 @@ def _model(**kw):
 MODEL_BAD = [
     (dict(world_size=8, tp=8), _model(), 32, ["tensor_parallel", "8", "num_attention_heads 4"]),
     (dict(world_size=8, ep=4), _model(n_routed_experts=6), 32, ["expert_parallel", "4", "n_routed_experts 6"]),
-    (dict(world_size=4, tp=2, cp=2), _model(), 30, ["30", "context_parallel(2)", "tensor_parallel(2)", "4"]),
+    (dict(world_size=4, tp=2, cp=2), _model(), 36, ["36", "2 * context_parallel(2)", "tensor_parallel(2)", "8"]),
     (dict(world_size=4, tp=2), _model(vocab_size=511), 32, ["vocab_size 511"]),
-    (dict(world_size=4, cp=2), _model(num_nextn_predict_layers=1), 32, ["context_parallel", "num_nextn_predict_layers 1"]),
     (dict(world_size=4, tp=2), _model(position_embedding_type="learned_absolute"), 32, ["learned_absolute"]),
     (dict(world_size=4, ep=2), _model(n_routed_experts=0), 32, ["expert_parallel", "n_routed_experts"]),
 ]

@@ -113,6 +113,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         # The loss over (logits, labels, mask); tensor parallel swaps in a vocabulary-parallel one.
         self.loss_function = masked_cross_entropy
+        # The MTP input shift; context parallel swaps in one that exchanges chunk-boundary tokens.
+        self.shift_left = _shift_left
         c = config
         dtype = c.torch_dtype("params_dtype")
         self.compute_dtype = c.torch_dtype("compute_dtype")
@@ -234,7 +236,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         total = hidden.new_zeros((), dtype=torch.float32)
         ids, lab, msk, pos = input_ids, labels, mask, position_ids
         for layer in self.mtp:
-            ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
+            ids, lab, msk, pos = (self.shift_left(t) for t in (ids, lab, msk, pos))
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
                 total = total + self.lm_head(hidden, lab, msk)

@@ -117,8 +117,8 @@ class ParallelDims:
 
     @property
     def seq_divisor(self) -> int:
-        """The sequence length must be a multiple of this (cp chunks, each split over tp)."""
-        return self.cp * self.tp
+        """The sequence length must be a multiple of this (2·cp zig-zag chunks, each rank's split over tp)."""
+        return (2 * self.cp if self.cp > 1 else 1) * self.tp
 
     @property
     def enabled(self) -> bool:
@@ -158,20 +158,17 @@ class ParallelDims:
                 raise ParallelismError(
                     f"parallelism.expert_parallel: {E} must divide model.n_routed_experts {experts}")
         if seq_length is not None:
-            if seq_length % (C * T):
+            chunks = 2 * C if C > 1 else 1
+            if seq_length % (chunks * T):
                 raise ParallelismError(
-                    f"sequence length {seq_length} must be divisible by context_parallel({C}) * "
-                    f"tensor_parallel({T}) = {C * T} (the sequence is split into cp chunks, each "
+                    f"sequence length {seq_length} must be divisible by {'2 * ' if C > 1 else ''}"
+                    f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
+                    "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
                 "supported (the position table is added before the sequence is split)")
-        mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
-        if C > 1 and mtp:
-            raise ParallelismError(
-                f"parallelism.context_parallel: {C} with model.num_nextn_predict_layers {mtp} is not "
-                "supported yet (multi-token prediction shifts tokens across context-parallel chunks)")
 
     def accumulation_steps(self, global_batch_size: int, local_batch_size: int) -> int:
         """``A = global_batch_size // (data_parallel · local_batch_size)`` (MindFormers' floor division)."""
