@@ -258,7 +258,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _fused_loss(self) -> bool:
         # Only for gradients (it computes them in forward) and the plain loss: tensor parallel swaps
         # in a vocabulary-parallel one over sharded logits.
-        return torch.is_grad_enabled() and self.loss_function is masked_cross_entropy
+        # (context parallel wraps the loss but keeps the plain masked mean per shard: ``shard_loss_of``)
+        loss = getattr(self.loss_function, "shard_loss_of", self.loss_function)
+        return torch.is_grad_enabled() and loss is masked_cross_entropy
 
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a

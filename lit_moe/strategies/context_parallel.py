@@ -51,7 +51,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_moe.config import ConfigError
+from lit_moe.ops.attention import block_causal_attention, use_block_causal
 from lit_moe.strategies import comm
+from lit_moe.strategies.hooks import around_forward
 
 METHODS = ("colossal", "ulysses", "hybrid")
 
@@ -169,6 +171,10 @@ class _Shard:
         self.attention_mask, self.actual_seq_len = attention_mask, actual_seq_len
         self._masks = {}
 
+    def plain(self, window_left: int) -> bool:
+        """Plain causal attention: no blocked pairs, documents or window."""
+        return self.attention_mask is None and self.actual_seq_len is None and window_left < 0
+
     def mask(self, lo: int, hi: int, keys: int, window_left: int) -> Optional[torch.Tensor]:
         """Allowed mask ``[B or 1, 1, hi-lo, keys]`` of queries ``[lo, hi)`` against keys ``[0, keys)``;
         None for a whole plain-causal sequence (the fused causal kernels)."""
@@ -176,9 +182,8 @@ class _Shard:
         if key not in self._masks:
             from lit_moe.model.attention import allowed_mask
 
-            plain = self.attention_mask is None and self.actual_seq_len is None and window_left < 0
             whole = lo == 0 and hi == keys == self.seq
-            self._masks[key] = None if plain and whole else allowed_mask(
+            self._masks[key] = None if self.plain(window_left) and whole else allowed_mask(
                 self.batch, self.seq, self.device, attention_mask=self.attention_mask,
                 actual_seq_len=self.actual_seq_len, window_left=window_left, force=True,
                 rows=(lo, hi), keys=keys)
@@ -241,10 +246,20 @@ class ContextParallelAttention(nn.Module):
         outs = []
         for i, j in enumerate(self.query_chunks):
             lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
-            outs.append(self.inner(q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi],
-                                   shard.mask(lo, hi, hi, self.window_left)))
+            q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
+            if shard.plain(self.window_left) and self._block_causal(q_j):
+                # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
+                outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
+            else:
+                outs.append(self.inner(q_j, k_j, v_j, shard.mask(lo, hi, hi, self.window_left)))
             self._count(heads, c * lo + c * (c + 1) // 2, c * hi)
         return torch.cat(outs, dim=2)
+
+    def _block_causal(self, q: torch.Tensor) -> bool:
+        # where CoreAttention itself would take the CPU causal kernel for a plain causal call
+        inner = self.inner
+        dropout = inner.attention_dropout if self.training else 0.0
+        return inner.use_flash_attention and dropout == 0.0 and use_block_causal(q)
 
     def _count(self, heads: int, pairs: int, scores: int) -> None:
         self.shard.work["pairs"] += heads * pairs
@@ -346,16 +361,33 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     for moe in model.moe_layers():
         moe.aux_stats_reduce = reduce_stats
 
-    original_loss = model.loss_function
-
-    def sequence_share_loss(logits, labels, mask):
-        loss = original_loss(logits, labels, mask)
+    def share(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A shard's masked mean → its share of the sequence's mean, times cp (module docstring)."""
         local = mask.sum().to(torch.float32)
         total = local.detach().clone()
         dist.all_reduce(total, group=group)
         return loss * (local / total.clamp_min(1.0) * size).to(loss.dtype)
 
+    original_loss = model.loss_function
+
+    def sequence_share_loss(logits, labels, mask):
+        return share(original_loss(logits, labels, mask), mask)
+
+    # still the plain masked mean per shard: the model keeps its fused head for it
+    sequence_share_loss.shard_loss_of = original_loss  # type: ignore[attr-defined]
     model.loss_function = sequence_share_loss
+
+    def head_before(mod, args, kwargs):
+        labels = args[1] if len(args) > 1 else kwargs.get("labels")
+        if labels is None:
+            return args, kwargs, None
+        mask = args[2] if len(args) > 2 else kwargs.get("mask")
+        return args, kwargs, (labels != -100) if mask is None else mask
+
+    def head_after(mod, out, mask):
+        return out if mask is None else share(out, mask)
+
+    around_forward(model.lm_head, head_before, head_after)   # the fused head's loss (labels given)
     model.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
 
     def shard_inputs(mod, args, kwargs):
