@@ -302,6 +302,9 @@ def build_run(cfg: Any) -> Run:
                         tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
                         pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
     dims.validate_model(model_config, seq_length)
+    from lit_moe.strategies.context_parallel import ulysses_degree
+
+    ulysses_degree(parallelism, model_config, dims.tp)   # context_parallel_method and its keys
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
         from lit_moe.convert_config import global_batch_from_accumulation

@@ -289,3 +289,48 @@ def test_method_validation_accepts():
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         worker_main(sys.argv[3:], sys.argv[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# through the command line
+# ----------------------------------------------------------------------------------------------
+def test_cli_rejects_a_bad_method_in_one_line(tmp_path):
+    from helpers import run_cli, tiny_config, write_config
+
+    cfg = tiny_config(tmp_path, parallelism={"context_parallel": 2, "context_parallel_method": "hybrid",
+                                             "ulysses_degree_in_cp": 2})
+    cfg["trainer"] = {**cfg.get("trainer", {}), "devices": 2, "accelerator": "cpu"}
+    proc = run_cli(["fit", "--config", str(write_config(tmp_path, cfg))], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert "Hybrid CP requires 1 < ulysses_degree_in_cp < context_parallel" in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path):
+    """``lit_moe fit`` under torchrun (2 processes, ulysses cp2, MTP on) logs the losses of the same
+    run in one process."""
+    import os
+    import re
+    import subprocess
+
+    from helpers import ROOT, tiny_config, write_config
+
+    step = re.compile(r"step (\d+)/(\d+) \| loss ([0-9.]+)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    losses = {}
+    for world, parallelism in ((1, {}), (2, {"context_parallel": 2, "context_parallel_method": "ulysses"})):
+        run_dir = tmp_path / f"w{world}"
+        run_dir.mkdir()
+        cfg = tiny_config(run_dir, steps=2, parallelism=parallelism)
+        cfg["model"]["compute_dtype"] = "float32"
+        assert cfg["model"]["num_nextn_predict_layers"] == 1
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "lit_moe.cli", "fit", "--config", str(write_config(run_dir, cfg)), "--trainer.accelerator", "cpu"]
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=500)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-4000:]
+        losses[world] = [float(m.group(3)) for m in step.finditer(log)]
+    assert len(losses[1]) == 2 and losses[2] == pytest.approx(losses[1], rel=1e-4), losses
