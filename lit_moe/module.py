@@ -249,8 +249,8 @@ class LitMoE(LightningModule):
     # expert bias and metrics
     # ------------------------------------------------------------------------------------------
     def _count_group(self):
-        # Token counts are summed over data-parallel ranks only: tp/cp/ep ranks of one group route the
-        # same tokens (the MoE layer sees the whole sequence), so summing over them would over-count.
+        # Token counts are summed over dp × cp (each cp rank routes its own tokens); tp/ep ranks of
+        # one group route the same tokens, so summing over them would over-count.
         strategy = self.trainer.strategy
         return getattr(strategy, "expert_count_group", getattr(strategy, "loss_reduce_group", None))
 

@@ -21,15 +21,17 @@ from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, la
 DOC_ENDS = [11, 20, 32]          # documents cross the zig-zag chunk boundaries (chunks of 8 or 4)
 
 
-def _layout(world, *, cp=2, method="colossal", u=None, asynchronous=False, tp=1, ep=1, mtp=1, docs=None):
+def _layout(world, *, cp=2, method="colossal", u=None, asynchronous=False, tp=1, ep=1, mtp=1, docs=None,
+            recompute=False):
     return dict(world=world, cp=cp, method=method, u=u, asynchronous=asynchronous, tp=tp, ep=ep, mtp=mtp,
-                docs=docs)
+                docs=docs, recompute=recompute)
 
 
 LAYOUTS = {
     "colossal_mtp": _layout(2, mtp=1),
     "ulysses_mtp": _layout(2, method="ulysses", mtp=1),
-    "colossal_eod_window": _layout(2, docs="eod"),
+    # also recomputes attention (layers 0-1) and the key/value all-gather (layers 2-3) in backward
+    "colossal_eod_window": _layout(2, docs="eod", recompute=True),
     "ulysses_mask_window": _layout(2, method="ulysses", docs="mask"),
     "ulysses_async": _layout(2, method="ulysses", asynchronous=True),
     "cp2_ep2": _layout(2, ep=2),
@@ -110,9 +112,16 @@ def run_layout(name: str) -> dict:
     parallelism = ParallelismConfig(tensor_parallel=spec["tp"], context_parallel=spec["cp"], expert_parallel=spec["ep"],
                                     context_parallel_method=spec["method"], ulysses_degree_in_cp=spec["u"],
                                     context_parallel_async=spec["asynchronous"])
+    recompute = recompute_comm = None
+    if spec["recompute"]:
+        from lit_moe.config import RecomputeCommConfig, RecomputeConfig
+
+        recompute = RecomputeConfig(mode="select", select_module={"self_attention": ["0-1"]})
+        recompute_comm = RecomputeCommConfig(enable=True,
+                                             select_module={"self_attention.core_attention.all_gather": ["2-3"]})
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    model = parallelize(model, dims, parallelism, model_config=cfg)
+    model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm, model_config=cfg)
     model.to_empty(device="cpu")
     model.init_weights(7)
 
