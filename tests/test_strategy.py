@@ -207,6 +207,19 @@ def test_strategy_sampler_and_groups_follow_the_dp_mesh(fake_world):
     assert s.parallel_dims.ep == 2
 
 
+def test_expert_counts_are_summed_over_dp_and_cp(fake_world):
+    """Context-parallel ranks route their own tokens: counts sum over dp × cp, not over tp."""
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    fake_world(8, rank=5)
+    s = AscendFSDPStrategy(parallelism=ParallelismConfig(tensor_parallel=2, context_parallel=2))
+    dims = s._make_parallel_dims(8)
+    dims.build_meshes("cpu")
+    s._parallel_dims = dims
+    assert dist.get_world_size(s.dp_group) == 2
+    assert dist.get_world_size(s.expert_count_group) == 4 == dims.dp * dims.cp
+
+
 def test_gradient_sync_switch(fake_world):
     """``gradient_sync_every_microbatch: False`` turns FSDP's reduce-scatter off between micro-batches."""
     from torch.distributed.fsdp import FSDPModule
