@@ -269,11 +269,13 @@ def test_method_validation_messages(fields, message):
     from types import SimpleNamespace
 
     from lit_moe.config import ConfigError, ParallelismConfig
-    from lit_moe.strategies.context_parallel import ulysses_degree
+    from lit_moe.strategies.context_parallel import check_ulysses_heads
+    from lit_moe.strategies.parallel_dims import check_parallelism_keys
 
     p = ParallelismConfig(**{"context_parallel": 4, **fields})
     with pytest.raises(ConfigError) as err:
-        ulysses_degree(p, SimpleNamespace(num_attention_heads=4))
+        check_parallelism_keys(p)
+        check_ulysses_heads(p, SimpleNamespace(num_attention_heads=4))
     assert message in str(err.value) and str(err.value).startswith("parallelism.")
     assert "\n" not in str(err.value)
 
@@ -282,22 +284,20 @@ def test_method_validation_accepts():
     from types import SimpleNamespace
 
     from lit_moe.config import ParallelismConfig
-    from lit_moe.strategies.context_parallel import ulysses_degree
+    from lit_moe.strategies.context_parallel import check_ulysses_heads
+    from lit_moe.strategies.parallel_dims import check_parallelism_keys
 
     heads = SimpleNamespace(num_attention_heads=8)
-    assert ulysses_degree(ParallelismConfig(context_parallel=4), heads) == 1
-    assert ulysses_degree(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"), heads) == 4
-    assert ulysses_degree(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid",
-                                            ulysses_degree_in_cp=2, context_parallel_async=True), heads, tp=2) == 2
+    hybrid_async = ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2,
+                                     context_parallel_async=True)
+    check_parallelism_keys(hybrid_async)
+    assert check_ulysses_heads(ParallelismConfig(context_parallel=4), heads) == 1
+    assert check_ulysses_heads(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"), heads) == 4
+    assert check_ulysses_heads(hybrid_async, heads, tp=2) == 2
     # 2 heads per tensor-parallel rank cannot be split 4 ways
     with pytest.raises(Exception, match=r"\(2 per tensor-parallel rank\)"):
-        ulysses_degree(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"),
-                       SimpleNamespace(num_attention_heads=4), tp=2)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker_main(sys.argv[3:], sys.argv[2])
+        check_ulysses_heads(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"),
+                            SimpleNamespace(num_attention_heads=4), tp=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,3 +343,8 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path):
         assert proc.returncode == 0, log[-4000:]
         losses[world] = [float(m.group(3)) for m in step.finditer(log)]
     assert len(losses[1]) == 2 and losses[2] == pytest.approx(losses[1], rel=1e-4), losses
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])

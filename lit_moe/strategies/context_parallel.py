@@ -50,55 +50,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_moe.config import ConfigError
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
 from lit_moe.strategies import comm
 from lit_moe.strategies.hooks import around_forward
-
-METHODS = ("colossal", "ulysses", "hybrid")
-
+from lit_moe.strategies.parallel_dims import ParallelismError, cp_ulysses_degree
 
 # ----------------------------------------------------------------------------------------------
 # configuration (MindFormers' rules and messages)
 # ----------------------------------------------------------------------------------------------
-def ulysses_degree(parallelism: Any, model_config: Any = None, tp: int = 1) -> int:
-    """Check ``context_parallel_method`` / ``context_parallel_async`` / ``ulysses_degree_in_cp`` and
-    return the Ulysses degree (1 for colossal or without context parallelism)."""
-    method = getattr(parallelism, "context_parallel_method", "colossal")
-    if not isinstance(method, str) or method.lower() not in METHODS:
-        raise ConfigError(f"parallelism.context_parallel_method: Unsupported context_parallel_method: {method!r} "
-                          f"(use {', '.join(METHODS)})")
-    method = method.lower()
-    asynchronous = getattr(parallelism, "context_parallel_async", False)
-    if not isinstance(asynchronous, bool):
-        raise ConfigError(f"parallelism.context_parallel_async: expected true or false, got {asynchronous!r}")
-    u = getattr(parallelism, "ulysses_degree_in_cp", None)
-    if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
-        raise ConfigError(f"parallelism.ulysses_degree_in_cp: must be a positive integer or null, got {u!r}")
-    cp = parallelism.context_parallel
-    if cp <= 1:
+def check_ulysses_heads(parallelism: Any, model_config: Any = None, tp: int = 1) -> int:
+    """The Ulysses degree (1 for colossal or without context parallelism; the method keys are checked
+    with MindFormers' rules by ``parallel_dims.cp_ulysses_degree``), after checking that the heads of
+    a tensor-parallel rank split evenly over it."""
+    if parallelism.context_parallel <= 1:
         return 1
-    if method == "colossal":
-        if asynchronous:
-            raise ConfigError("parallelism.context_parallel_async: Async context parallel currently supports "
-                              "'ulysses' and 'hybrid' only. Use context_parallel_async=false for colossal CP.")
-        return 1
-    if method == "ulysses":
-        u = cp if u is None else u
-        if u != cp:
-            raise ConfigError(f"parallelism.ulysses_degree_in_cp: Ulysses CP requires ulysses_degree_in_cp == "
-                              f"context_parallel (got {u}, context_parallel {cp}).")
-    else:
-        if u is None:
-            raise ConfigError("parallelism.ulysses_degree_in_cp: Hybrid CP requires ulysses_degree_in_cp to be set.")
-        if u <= 1 or u >= cp or cp % u:
-            raise ConfigError(f"parallelism.ulysses_degree_in_cp: Hybrid CP requires 1 < ulysses_degree_in_cp < "
-                              f"context_parallel and divisibility (got {u}, context_parallel {cp}).")
+    u = cp_ulysses_degree(parallelism)
     heads = getattr(model_config, "num_attention_heads", None)
     if heads is not None and (heads // tp) % u:
         per_tp = f" ({heads // tp} per tensor-parallel rank)" if tp > 1 else ""
-        raise ConfigError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
-                          f"divisible by ulysses_degree ({u}).")
+        raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
+                               f"divisible by ulysses_degree ({u}).")
     return u
 
 
@@ -338,7 +309,7 @@ def _subgroups(dims, u: int):
 
 def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     config = model.config
-    u = ulysses_degree(parallelism, config, dims.tp)
+    u = check_ulysses_heads(parallelism, config, dims.tp)
     cp_mesh = dims.mesh("cp")
     group = cp_mesh.get_group()
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -415,5 +386,5 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     model.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-__all__ = ["ContextParallelAttention", "METHODS", "apply_context_parallel", "attention_work", "boundary_shift",
-           "rank_chunks", "shard_positions", "ulysses_degree"]
+__all__ = ["ContextParallelAttention", "apply_context_parallel", "attention_work", "boundary_shift",
+           "check_ulysses_heads", "rank_chunks", "shard_positions"]
