@@ -264,40 +264,38 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("fields,message", BAD)
-def test_method_validation_messages(fields, message):
+def _check(p, heads: int = 4, tp: int = 1) -> int:
     from types import SimpleNamespace
 
-    from lit_moe.config import ConfigError, ParallelismConfig
-    from lit_moe.strategies.context_parallel import check_ulysses_heads
-    from lit_moe.strategies.parallel_dims import check_parallelism_keys
+    from lit_moe.strategies import ParallelDims
+    from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys, cp_ulysses_degree
 
-    p = ParallelismConfig(**{"context_parallel": 4, **fields})
+    check_parallelism_keys(p)
+    check_parallel_layout(p, ParallelDims(p.context_parallel * tp, tp=tp, cp=p.context_parallel),
+                          SimpleNamespace(num_attention_heads=heads))
+    return cp_ulysses_degree(p)
+
+
+@pytest.mark.parametrize("fields,message", BAD)
+def test_method_validation_messages(fields, message):
+    from lit_moe.config import ConfigError, ParallelismConfig
+
     with pytest.raises(ConfigError) as err:
-        check_parallelism_keys(p)
-        check_ulysses_heads(p, SimpleNamespace(num_attention_heads=4))
+        _check(ParallelismConfig(**{"context_parallel": 4, **fields}))
     assert message in str(err.value) and str(err.value).startswith("parallelism.")
     assert "\n" not in str(err.value)
 
 
 def test_method_validation_accepts():
-    from types import SimpleNamespace
-
     from lit_moe.config import ParallelismConfig
-    from lit_moe.strategies.context_parallel import check_ulysses_heads
-    from lit_moe.strategies.parallel_dims import check_parallelism_keys
 
-    heads = SimpleNamespace(num_attention_heads=8)
-    hybrid_async = ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2,
-                                     context_parallel_async=True)
-    check_parallelism_keys(hybrid_async)
-    assert check_ulysses_heads(ParallelismConfig(context_parallel=4), heads) == 1
-    assert check_ulysses_heads(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"), heads) == 4
-    assert check_ulysses_heads(hybrid_async, heads, tp=2) == 2
+    assert _check(ParallelismConfig(context_parallel=4), heads=8) == 1
+    assert _check(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"), heads=8) == 4
+    assert _check(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2,
+                                    context_parallel_async=True), heads=8, tp=2) == 2
     # 2 heads per tensor-parallel rank cannot be split 4 ways
     with pytest.raises(Exception, match=r"\(2 per tensor-parallel rank\)"):
-        check_ulysses_heads(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"),
-                            SimpleNamespace(num_attention_heads=4), tp=2)
+        _check(ParallelismConfig(context_parallel=4, context_parallel_method="ulysses"), heads=4, tp=2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,26 +53,11 @@ from torch import nn
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
 from lit_moe.strategies import comm
 from lit_moe.strategies.hooks import around_forward
-from lit_moe.strategies.parallel_dims import ParallelismError, cp_ulysses_degree
+from lit_moe.strategies.parallel_dims import check_parallel_layout, cp_ulysses_degree
 
 # ----------------------------------------------------------------------------------------------
 # configuration (MindFormers' rules and messages)
 # ----------------------------------------------------------------------------------------------
-def check_ulysses_heads(parallelism: Any, model_config: Any = None, tp: int = 1) -> int:
-    """The Ulysses degree (1 for colossal or without context parallelism; the method keys are checked
-    with MindFormers' rules by ``parallel_dims.cp_ulysses_degree``), after checking that the heads of
-    a tensor-parallel rank split evenly over it."""
-    if parallelism.context_parallel <= 1:
-        return 1
-    u = cp_ulysses_degree(parallelism)
-    heads = getattr(model_config, "num_attention_heads", None)
-    if heads is not None and (heads // tp) % u:
-        per_tp = f" ({heads // tp} per tensor-parallel rank)" if tp > 1 else ""
-        raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
-                               f"divisible by ulysses_degree ({u}).")
-    return u
-
-
 # ----------------------------------------------------------------------------------------------
 # the zig-zag layout
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +294,8 @@ def _subgroups(dims, u: int):
 
 def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     config = model.config
-    u = check_ulysses_heads(parallelism, config, dims.tp)
+    check_parallel_layout(parallelism, dims, config)     # the method keys and the heads per ulysses rank
+    u = cp_ulysses_degree(parallelism)
     cp_mesh = dims.mesh("cp")
     group = cp_mesh.get_group()
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -387,4 +373,4 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
 
 
 __all__ = ["ContextParallelAttention", "apply_context_parallel", "attention_work", "boundary_shift",
-           "check_ulysses_heads", "rank_chunks", "shard_positions"]
+           "rank_chunks", "shard_positions"]

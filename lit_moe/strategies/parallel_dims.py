@@ -455,9 +455,13 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
                                    f"ranks than fsdp ({F}), which lit_moe does not implement yet; set it to null")
     if dims.cp > 1:
         # MindFormers checks this for async ulysses only; every Ulysses exchange splits the heads
-        from lit_moe.strategies.context_parallel import check_ulysses_heads
-
-        check_ulysses_heads(p, model_config, dims.tp)
+        # (those of one tensor-parallel rank)
+        degree = cp_ulysses_degree(p)
+        heads = getattr(model_config, "num_attention_heads", None)
+        if heads is not None and (heads // dims.tp) % degree:
+            per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
+            raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
+                                   f"divisible by ulysses_degree ({degree}).")
     if dims.pp > 1:
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
