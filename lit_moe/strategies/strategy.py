@@ -129,7 +129,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
         """Ranks whose MoE token counts must be summed: dp × cp. Context-parallel ranks route their own
         shard of the sequence; tensor-parallel ranks route the same tokens (the MoE layer gathers
         the tp shards), so tp is not summed over."""
-        return self.loss_reduce_group
+        return self.parallel_dims.mesh("dp_cp").get_group() if self._meshes_ready() else None
 
     @property
     def batch_replicas(self) -> int:
