@@ -357,7 +357,7 @@ def build_run(cfg: Any) -> Run:
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
     run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
                                       recompute_comm=recompute_comm, model_config=model_config,
-                                      accumulate_allreduce_grads_in_fp32=fp32_grads)
+                                      accumulate_allreduce_grads_in_fp32=fp32_grads, checkpoint=checkpoint)
 
     from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
 
