@@ -117,9 +117,10 @@ def assert_same_samples(ours, theirs, count=None, columns=None, every=1) -> None
     picks = sorted(set(range(0, n, every)) | ({n - 1} if n else set()))
     for i in picks:
         a, b = ours[i], megatron_sample(theirs[i])
-        for key in columns or b.keys():
-            if key not in a:
-                continue
+        keys = list(columns or b.keys())
+        # every column megatron-core produces (or the caller names) must be ours too: none is skipped
+        assert set(keys) <= set(a), f"sample {i}: columns {sorted(set(keys) - set(a))} missing from ours"
+        for key in keys:
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"sample {i}, column {key}")
 
 
