@@ -79,6 +79,7 @@ def megatron_config(seq_length: int, seed: int = 1234, blend=None, split: str = 
     flags.setdefault("reset_position_ids", False)
     flags.setdefault("reset_attention_mask", False)
     flags.setdefault("eod_mask_loss", False)
+    flags.setdefault("create_attention_mask", False)   # as dataloader_section: both sides make the same columns
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return m.gpt_dataset.GPTDatasetConfig(
