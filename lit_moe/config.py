@@ -129,17 +129,19 @@ class ParallelismConfig:
     ``tensor_parallel > 1``; null or true mean that; false with ``tensor_parallel > 1`` is MindFormers'
     error."""
     context_parallel: int = 1
-    """Context-parallel degree: the sequence is split across this many ranks."""
+    """Context-parallel degree: the sequence is split across this many ranks (zig-zag: 2·cp chunks,
+    rank r holds chunks r and 2·cp-1-r, so causal attention work is equal on every rank)."""
     context_parallel_method: str = "colossal"
-    """``colossal`` (contiguous sequence chunks, keys/values gathered over the context-parallel group:
-    what lit_moe implements), ``ulysses`` or ``hybrid`` (validated with MindFormers' rules; not yet
-    implemented when ``context_parallel > 1``)."""
+    """How attention sees the other ranks' tokens: ``colossal`` (all-gather keys and values),
+    ``ulysses`` (all-to-all from sequence shards to head shards and back; the heads per
+    tensor-parallel rank must divide by context_parallel) or ``hybrid`` (ulysses inside groups of
+    ``ulysses_degree_in_cp`` ranks, all-gather across the groups)."""
     context_parallel_async: bool = False
-    """Asynchronous context-parallel communication; with ``context_parallel > 1`` MindFormers allows it
-    only with ``ulysses`` and ``hybrid`` (its error otherwise)."""
+    """Overlap the ulysses all-to-alls with attention (head groups pipelined). MindFormers allows it
+    for ``ulysses`` and ``hybrid`` only."""
     ulysses_degree_in_cp: Optional[int] = None
-    """Ulysses degree inside the context-parallel group: ``ulysses`` needs it equal to
-    ``context_parallel`` (or null), ``hybrid`` needs ``1 < u < context_parallel`` dividing it."""
+    """Ulysses degree u: ``ulysses`` needs it unset or equal to context_parallel; ``hybrid`` needs
+    1 < u < context_parallel with context_parallel % u == 0."""
     context_parallel_mask_type: str = "causal"
     """Only ``causal`` (MindFormers' only value)."""
     pipeline_parallel: int = 1

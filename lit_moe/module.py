@@ -298,8 +298,8 @@ class LitMoE(LightningModule):
         extra = torch.cat([extra, aux_sum.to(extra)[:, None]], dim=1)
         ranks = 1
         if is_distributed():
-            # Summed over data-parallel ranks only: the tensor/context/expert-parallel ranks of one
-            # data-parallel rank route the same tokens (the MoE layer sees the whole sequence).
+            # Summed over dp × cp (each context-parallel rank routes its own tokens); the tensor/
+            # expert-parallel ranks of one group route the same tokens.
             group = self.step_strategy.expert_count_group
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)

@@ -327,8 +327,6 @@ RULES = [
     ("parallelism.context_parallel_async", True, {"parallelism.context_parallel": 2}, ["Async context parallel currently supports 'ulysses' and "
                                                        "'hybrid' only"]),
     ("parallelism.context_parallel_mask_type", "full", {}, ["only supports pure causal mask, got 'full'"]),
-    ("parallelism.context_parallel_method", "ulysses", {"parallelism.context_parallel": 2},
-     ["'ulysses' with context_parallel 2", "not implement yet"]),
     ("parallelism.ulysses_degree_in_cp", 2, {"parallelism.context_parallel": 2,
                                              "parallelism.context_parallel_method": "hybrid"},
      ["Hybrid CP requires 1 < ulysses_degree_in_cp < context_parallel and divisibility"]),

@@ -195,7 +195,7 @@ def run_layout(name: str) -> dict:
     model, dims = build(spec)
     dp_mesh = dims.mesh("dp")
     result = train(model, dims, dp_rank=dp_mesh.get_local_rank(), dp=dims.dp, accumulation=spec["accumulation"],
-                   sync_every_micro=spec["sync"], count_group=dp_mesh.get_group(), docs=spec["docs"])
+                   sync_every_micro=spec["sync"], count_group=dims.mesh("dp_cp").get_group(), docs=spec["docs"])
     result["memory"] = memory_report(model, dims)
     result["memory"]["optimizer"] = result.pop("optimizer_state_bytes")
     if dims.ep > 1:
@@ -334,11 +334,11 @@ def worker_main(names: list[str], out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------------
-def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300) -> None:
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, script: Path = Path(__file__)) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
+           str(script.resolve()), "--worker", str(out_dir), *names]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     if proc.returncode != 0:
         raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
