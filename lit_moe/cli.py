@@ -164,15 +164,19 @@ class Run:
         from lightning.pytorch import Trainer
         from lightning.pytorch.callbacks import ProgressBar
 
+        from lit_moe.callbacks.console import RunSummary, console_is_terminal, quiet_lightning
+        from lit_moe.callbacks.loggers import combine_loggers
         from lit_moe.callbacks.progress import StepProgressBar
 
+        quiet_lightning()
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
         defaults = {
             "max_steps": self.training.steps,
             "max_epochs": -1,
             "precision": "32-true",  # compute dtype comes from the model section via the strategy
             "strategy": self.strategy,
-            "logger": self.logger if self.logger is not None else False,
+            "logger": combine_loggers(self.logger, None) or False,
+            "enable_model_summary": False,  # RunSummary prints one line instead of the table
             "enable_checkpointing": False,  # our checkpoint callback owns the iteration directories
             "num_sanity_val_steps": 0,
             "limit_val_batches": 0,
@@ -195,7 +199,12 @@ class Run:
         merged = {**defaults, **explicit}
         if merged.get("strategy") in (None, "auto"):
             merged["strategy"] = self.strategy
-        callbacks = self.callbacks + user_callbacks
+        if "logger" in explicit:  # trainer.logger: extra loggers beside the TensorBoard dashboards
+            merged["logger"] = combine_loggers(self.logger, explicit["logger"]) or False
+        callbacks = [RunSummary(self.model_config, self.training.global_batch_size, self.training.local_batch_size,
+                                self.seq_length, self.accumulation_steps)] + self.callbacks + user_callbacks
+        if "enable_progress_bar" not in explicit and not console_is_terminal():
+            merged["enable_progress_bar"] = False   # no terminal: plain log lines only
         if merged.get("enable_progress_bar", True) is not False and \
                 not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(StepProgressBar())
@@ -334,6 +343,7 @@ def build_run(cfg: Any) -> Run:
     run.context = context
     run.model_config = model_config
     run.accumulation_steps = accumulation
+    run.seq_length = seq_length
     run.ckpt_path = load.ckpt_path
     run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
                         weights_loader=load.weights_loader)
