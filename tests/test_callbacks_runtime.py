@@ -214,7 +214,7 @@ def test_build_callbacks_wiring(tmp_path):
     user = ThroughputMFU(peak_flops=5e14)
     merged = merge_callbacks(cbs, [user, StepLogger()])
     assert merged[4] is user and user.flops_per_token == 123.0 and user.peak_flops == 5e14
-    assert isinstance(merged[-1], StepLogger) and merged[-1] is not cbs[-1] and len(merged) == 7
+    assert isinstance(merged[6], StepLogger) and merged[6] is not cbs[6] and len(merged) == 8
 
 
 def test_build_callbacks_rejects_bad_sections():
