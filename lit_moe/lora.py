@@ -324,3 +324,12 @@ def merge_lora(model: nn.Module) -> int:
         setattr(parent, child, plain)
         merged += 1
     return merged
+
+
+def keep_initialised_adapters(live: dict, saved_keys: Any) -> dict:
+    """Loading weights: ``live`` (name → tensor) without its adapter tensors when the checkpoint
+    (``saved_keys``) holds none, i.e. a base checkpoint loaded into an adapted model; the adapters
+    then keep their initialisation. A checkpoint with adapters (a LoRA run's) loads them too."""
+    if any(is_adapter_name(k) for k in saved_keys):
+        return live
+    return {k: v for k, v in live.items() if not is_adapter_name(k)}
