@@ -117,6 +117,10 @@ class LitMoECLI(LightningCLI):
                             help="User callbacks: a list of {class_path, init_args}.")
         parser.add_argument("--gradient_accumulation_steps", type=Optional[int], default=None,
                             help="Graph-mode option: translated into training.global_batch_size.")
+        parser.add_argument("--lora_config", type=Optional[dict[str, Any]], default=None,
+                            help="MindFormers' LoRA section (lit_moe/lora.py); null: no adapters.")
+        parser.add_argument("--eval_dataset", type=Optional[dict[str, Any]], default=None,
+                            help="Evaluation data shaped like train_dataset (lit_moe/evaluation.py).")
 
     def _add_instantiators(self) -> None:  # no class_path model/data to instantiate
         pass
@@ -346,7 +350,7 @@ def build_run(cfg: Any) -> Run:
     run.seq_length = seq_length
     run.ckpt_path = load.ckpt_path
     run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
-                        weights_loader=load.weights_loader)
+                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
@@ -360,6 +364,11 @@ def build_run(cfg: Any) -> Run:
 
     resolved = _resolved_config(cfg)
     builtin = list(build_callbacks(monitor, profiler, context, model_config, seq_length, resolved))
+    from lit_moe.evaluation import build_evaluation
+
+    evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
+    if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
+        builtin.insert(len(builtin) - 1, evaluation)
     ckpt_cb = build_checkpoint_callback(checkpoint)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
@@ -380,7 +389,7 @@ def _namespace_to_dict(ns: Any) -> dict:
 
 def _resolved_config(cfg: Any) -> dict:
     out = {}
-    for key in list(FIXED_SECTIONS) + list(OPEN_SECTIONS) + ["callbacks"]:
+    for key in list(FIXED_SECTIONS) + list(OPEN_SECTIONS) + ["callbacks", "lora_config", "eval_dataset"]:
         value = cfg.get(key)
         if hasattr(value, "__dict__") and not isinstance(value, dict):
             value = _namespace_to_dict(value)

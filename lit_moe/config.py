@@ -77,6 +77,13 @@ class TrainingConfig:
     """Seeds Python, NumPy and torch RNGs on every rank, and the data workers."""
     deterministic: bool = False
     """Use deterministic algorithms: two runs give bitwise identical losses on CPU."""
+    eval_interval: int = 0
+    """Optimizer steps between evaluations (0: never): a no-grad pass over the valid split of the train
+    blend (``train_dataset.dataloader.sizes[1]``) or over the ``eval_dataset`` section, logged as
+    ``val/loss`` and ``val/ppl`` (see ``lit_moe/evaluation.py``)."""
+    eval_iters: int = 10
+    """Micro-batches (of ``local_batch_size``) per data-parallel rank in each evaluation; the same
+    samples every time."""
 
 
 # ----------------------------------------------------------------------------------------------

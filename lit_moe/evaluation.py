@@ -164,3 +164,26 @@ class Evaluation(Callback):
         samples = step * getattr(pl_module.training_config, "global_batch_size", 0) if self.log_samples else None
         add_scalar(writer, "val/loss", loss, step, samples or None)
         add_scalar(writer, "val/ppl", ppl, step, samples or None)
+
+
+def build_evaluation(training: Any, eval_dataset: Any, seq_length: Optional[int]) -> Optional[Evaluation]:
+    """The run's :class:`Evaluation` from ``training.eval_interval`` / ``eval_iters`` and the
+    optional ``eval_dataset`` section, or None when ``eval_interval`` is 0 (an ``eval_dataset`` is
+    then validated but unused, as MindFormers builds it without using it)."""
+    interval, iters = check_eval_settings(training.eval_interval, training.eval_iters)
+    spec = None
+    if eval_dataset is not None:
+        from lit_moe.data.loader import parse_dataloader
+
+        section = eval_dataset if isinstance(eval_dataset, dict) else vars(eval_dataset)
+        dataloader = section.get("dataloader")
+        if not isinstance(dataloader, dict) or not dataloader:
+            raise ConfigError("eval_dataset.dataloader: missing; eval_dataset is shaped like train_dataset "
+                              "(dataloader: {type, sizes, config: {data_path, ...}})")
+        try:
+            spec = parse_dataloader(dataloader, seq_length)
+        except ConfigError as err:   # its messages name train_dataset's fields
+            raise ConfigError(str(err).replace("train_dataset.", "eval_dataset.")) from None
+    if interval == 0:
+        return None
+    return Evaluation(interval, iters, training.local_batch_size, spec)
