@@ -1,7 +1,8 @@
-"""LoRA under the parallel layouts (FSDP2 over data parallel, tensor parallel, expert parallel): a
-few AdamW steps of the adapted tiny MoE model in real gloo processes match the same steps in one
-process (loss, pre-clip grad norm, the trained adapters), the base weights stay bit-identical, and
-the optimizer holds state for the adapters only."""
+"""LoRA and evaluation under the parallel layouts (FSDP2 over data parallel, tensor parallel, expert
+parallel): a few AdamW steps of the adapted tiny MoE model in real gloo processes match the same
+steps in one process (loss, pre-clip grad norm, the trained adapters), the base weights stay
+bit-identical, the optimizer holds state for the adapters only, and the evaluation pass
+(``lit_moe.evaluation.Evaluation``) gives the one-process ``val/loss``."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def summary(model, result) -> dict:
             "state_bytes": result["optimizer_state_bytes"]}
 
 
+EVAL_ITERS, EVAL_BATCH = 2, 2
+
+
+def eval_samples() -> list[dict]:
+    import numpy as np
+
+    g = torch.Generator().manual_seed(99)
+    rows = torch.randint(0, model_section(1)["vocab_size"], (16, model_section(1)["seq_length"] + 1), generator=g)
+    return [{"input_ids": r[:-1].numpy().astype(np.int64), "labels": r[1:].numpy().astype(np.int64)} for r in rows]
+
+
+def val_loss(model, dp_rank: int = 0, dp: int = 1) -> float:
+    """The evaluation callback's pass on this rank's share of ``eval_samples`` (same values whatever
+    the layout: the valid-split reading of a rank depends only on its data-parallel rank)."""
+    from types import SimpleNamespace
+
+    from lit_moe.evaluation import Evaluation
+
+    ev = Evaluation(eval_interval=1, eval_iters=EVAL_ITERS, local_batch_size=EVAL_BATCH)
+    ev.dataset = eval_samples()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                              datamodule=SimpleNamespace(dp_rank=dp_rank, dp_size=dp))
+    return ev.evaluate(trainer, SimpleNamespace(model=model))
+
+
 def reference() -> dict:
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -60,6 +86,23 @@ def reference() -> dict:
     before = summary(model, {"loss": [], "grad_norm": [], "optimizer_state_bytes": 0})
     out = summary(model, train(model, steps=STEPS))
     out["base_sq_before"] = before["base_sq"]
+    import numpy as np
+
+    # by hand: the mean masked CE of the 2 data-parallel ranks' micro-batches (a 2-rank layout's view)
+    model.eval()
+    with torch.no_grad():
+        samples, losses = eval_samples(), []
+        for k in range(EVAL_ITERS):
+            for r in range(2):
+                rows = samples[(k * 2 + r) * EVAL_BATCH:(k * 2 + r + 1) * EVAL_BATCH]
+                ids = torch.as_tensor(np.stack([s["input_ids"] for s in rows]))
+                labels = torch.as_tensor(np.stack([s["labels"] for s in rows]))
+                logits = model(ids).logits
+                losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                                      labels.reshape(-1))))
+    model.train()
+    out["val_loss_dp2"] = sum(losses) / len(losses)
+    out["val_loss_one_rank"] = val_loss(model)
     out["adapter_elements"] = sum(len(torch.tensor(v).flatten()) for v in out["adapters"].values())
     return out
 
@@ -90,6 +133,8 @@ def run_layout(name: str) -> dict:
     dist.all_reduce(state)
     result["optimizer_state_bytes"] = float(state)
     out = summary(model, result)
+    out["val_loss"] = val_loss(model, dp_mesh.get_local_rank(), dims.dp)
+    out["dp"] = dims.dp
     out["frozen_with_grad"] = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     return out
 
@@ -148,6 +193,9 @@ def test_lora_layout_matches_one_process(name, results, ref):
     # (replicated adapters under tensor parallel are held by both ranks)
     assert ref["state_bytes"] == 2 * 4 * ref["adapter_elements"]
     assert ref["state_bytes"] <= got["state_bytes"] <= 2 * ref["state_bytes"]
+    # evaluation: the one-process pass over the same samples, by hand (dp2 reads 2 ranks' samples)
+    want = ref["val_loss_dp2"] if got["dp"] == 2 else ref["val_loss_one_rank"]
+    assert got["val_loss"] == pytest.approx(want, rel=1e-5), name
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
