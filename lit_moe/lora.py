@@ -261,6 +261,16 @@ def apply_lora(model: nn.Module, settings: Any) -> list[str]:
     return adapted
 
 
+def check_lora_targets(model_config: Any, settings: Any) -> list[str]:
+    """Before anything is allocated: the adapted module names of the model ``model_config`` builds
+    (on the meta device); a pattern matching nothing is the same one-line error as in the run."""
+    from lit_moe.model import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(model_config)
+    return apply_lora(model, settings)
+
+
 def adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
 

@@ -62,9 +62,11 @@ class LitMoE(LightningModule):
         self.training_config = training
         self.accumulation_steps = int(accumulation_steps)
         self.weights_loader = weights_loader
-        from lit_moe.lora import lora_settings
+        from lit_moe.lora import check_lora_targets, lora_settings
 
         self.lora = lora_settings(lora)
+        if self.lora is not None:
+            check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
         self.step_metrics: dict[str, Any] = {}
         self.skipped_steps = 0
