@@ -104,6 +104,14 @@ def test_validation_loss_at_the_right_steps_equals_a_hand_run_pass_and_leaves_tr
     assert sorted(scalars(acc, "val/loss")) == [2, 4]
     assert scalars(acc, "val/loss")[4] == pytest.approx(hand.checked[4][1])
     assert sorted(scalars(acc, "train/loss")) == [1, 2, 3, 4, 5]
+    # the hyperparameters in TensorBoard's HPARAMS plugin, with the loss tags as its metric columns
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    hp = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(hp["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["training/steps"].number_value == 5 and start.hparams["model/hidden_size"].number_value == 32
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(hp["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "val/loss"]
     rows = list(csv.DictReader(open(tmp_path / "csv" / "run" / "version_0" / "metrics.csv")))
     by_step = {int(r["step"]): r for r in rows}
     assert sorted(by_step) == [1, 2, 3, 4, 5] and len(rows) == 5      # one row per optimizer step

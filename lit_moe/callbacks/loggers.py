@@ -25,6 +25,9 @@ TENSORBOARD_RUN_NAME = "lit_moe"
 
 VS_SAMPLES = " vs samples"
 
+HPARAMS_METRICS = ("train/loss", "val/loss")
+"""The metric columns of TensorBoard's HPARAMS table (read from the run's scalars)."""
+
 
 def build_logger(monitor: Any) -> Optional[Any]:
     """The run's TensorBoardLogger under ``monitor.tensorboard.output_dir``, in a new
@@ -151,8 +154,18 @@ class LoggerBridge(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.hparams is None or not trainer.is_global_zero:
             return
+        params = hyperparameters(self.hparams)
         for lg in trainer.loggers:
-            lg.log_hyperparams(hyperparameters(self.hparams))
+            lg.log_hyperparams(params)
+        tb = tensorboard_logger(trainer)
+        if tb is not None:
+            # Lightning writes TensorBoard's HPARAMS record only together with a metric value; write it
+            # here with the run's own loss tags as its metric columns (their values are the scalars)
+            from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+            file_writer = tb.experiment._get_file_writer()
+            for summary in hparams_summary(params, {tag: 0.0 for tag in HPARAMS_METRICS}):
+                file_writer.add_summary(summary)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.flush()
