@@ -35,10 +35,7 @@ def build_logger(monitor: Any) -> Optional[Any]:
     to it with the optimizer step as x-axis."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lit_moe.callbacks._common import check_log_interval
-
-    tb = monitor.tensorboard
-    check_log_interval(tb.log_interval)
+    tb = monitor.tensorboard   # (log_interval is checked by build_callbacks, which uses it)
     if not tb.output_dir:
         return None
     return TensorBoardLogger(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME, default_hp_metric=False,
