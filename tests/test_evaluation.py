@@ -151,3 +151,34 @@ def test_eval_settings_and_missing_valid_split(prefix, tmp_path):
         trainer().fit(tiny_module(2), MegatronDataModule(data(prefix), 2, 42, seq_length=SEQ))
     with pytest.raises(ConfigError, match=r"holds 0 \(set it, and a split with a valid part"):
         trainer().fit(tiny_module(2), MegatronDataModule(data(prefix, sizes=(40, 0, 0)), 2, 42, seq_length=SEQ))
+
+
+def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path):
+    """``eval_dataset`` (shaped like train_dataset): its first split is what is evaluated."""
+    from lit_moe.data.loader import build_from_spec, parse_dataloader
+    from lit_moe.evaluation import build_evaluation
+    from lit_moe.config import TrainingConfig
+
+    section = {"dataloader": dataloader_section(SEQ, [prefix], sizes=(8, 0, 0), split="1,0,0",
+                                                columns=["input_ids", "labels", "loss_mask", "position_ids"],
+                                                seed=7)}
+    training = TrainingConfig(steps=2, local_batch_size=2, global_batch_size=4, eval_interval=2, eval_iters=2)
+    ev = build_evaluation(training, section, SEQ)
+    assert ev is not None and ev.source == "eval_dataset"
+    assert build_evaluation(TrainingConfig(eval_interval=0), section, SEQ) is None   # validated, unused
+    module, _ = fit(prefix, tmp_path, steps=2, evaluation=ev)
+    data = build_from_spec(parse_dataloader(section["dataloader"], SEQ))[0]
+    model = module.model.eval()
+    losses = []
+    with torch.no_grad():
+        for k in range(2):
+            rows = [data[2 * k + i] for i in range(2)]
+            batch = {key: torch.as_tensor(np.stack([r[key] for r in rows])) for key in rows[0]}
+            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits.double()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1),
+                                                   reduction="none")
+            mask = batch["loss_mask"].reshape(-1).double()
+            losses.append(float((ce * mask).sum() / mask.sum()))
+    assert ev.last["step"] == 2 and ev.last["val/loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+    # not the valid split of the train blend
+    assert ev.dataset is not None and len(ev.dataset) == len(data)
