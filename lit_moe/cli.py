@@ -338,8 +338,11 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.strategies.plan import check_fits
 
     accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator == "auto":  # what Lightning's "auto" picks: an available accelerator, else the CPU
+        accelerator = next((name for name in ("cuda", "npu")
+                            if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
     nodes = int(trainer_section.get("num_nodes", 1) or 1)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
@@ -365,7 +368,7 @@ def build_run(cfg: Any) -> Run:
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
     run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
                                       recompute_comm=recompute_comm, model_config=model_config,
-                                      accumulate_allreduce_grads_in_fp32=fp32_grads)
+                                      accumulate_allreduce_grads_in_fp32=fp32_grads, checkpoint=checkpoint)
 
     from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
 

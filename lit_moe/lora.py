@@ -280,7 +280,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     """``lora_a`` ~ N(0, lora_a_std²), ``lora_b`` = 0 (or N(0, lora_b_std²)), each tensor from a
     generator seeded by ``(seed, name)``: the same values under every layout (DTensor shards keep
     their piece of the full tensor), like ``init_weights``. Call after ``init_weights``."""
-    from lit_moe.model.transformer import _normal_by_name, _param_seed, canonical_name
+    from lit_moe.model.names import canonical_name
+    from lit_moe.model.transformer import _normal_by_name, _param_seed
 
     for mod_name, mod in adapter_modules(model):
         for pname, p in mod.named_parameters(recurse=False):

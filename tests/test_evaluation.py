@@ -62,14 +62,14 @@ class HandPass(L.Callback):
         self.checked[last["step"]] = (sum(losses) / len(losses), last["val/loss"], last["val/ppl"])
 
 
-def fit(prefix, tmp_path, steps=5, evaluation=None, loggers=None, monitor=None):
+def fit(prefix, tmp_path, strategy, steps=5, evaluation=None, loggers=None):
     module = tiny_module(steps)
     callbacks = [StepLogger(), LoggerBridge(hparams={"training": {"steps": steps}, "model": {"hidden_size": 32}})]
     hand = None
     if evaluation is not None:
         hand = HandPass(evaluation)
         callbacks[:0] = [evaluation, hand]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=loggers or False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy(), max_steps=steps, logger=loggers or False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     torch.manual_seed(0)
@@ -77,8 +77,8 @@ def fit(prefix, tmp_path, steps=5, evaluation=None, loggers=None, monitor=None):
     return module, hand
 
 
-def test_validation_loss_at_the_right_steps_equals_a_hand_run_pass_and_leaves_training_alone(prefix, tmp_path,
-                                                                                                capsys, monkeypatch):
+def test_validation_loss_at_the_right_steps_equals_a_hand_run_pass_and_leaves_training_alone(
+        prefix, tmp_path, capsys, monkeypatch, one_process_strategy):
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # MLflow 3 keeps its file store behind this switch
@@ -88,7 +88,7 @@ def test_validation_loss_at_the_right_steps_equals_a_hand_run_pass_and_leaves_tr
     loggers = combine_loggers(build_logger(monitor), [CSVLogger(str(tmp_path / "csv"), name="run"),
                                                       MLFlowLogger(experiment_name="eco", tracking_uri=uri)])
     ev = Evaluation(eval_interval=2, eval_iters=2, local_batch_size=2)
-    module, hand = fit(prefix, tmp_path, evaluation=ev, loggers=loggers)
+    module, hand = fit(prefix, tmp_path, one_process_strategy, evaluation=ev, loggers=loggers)
     # evaluations after optimizer steps 2 and 4 of 5, equal to the hand-written pass
     assert sorted(hand.checked) == [2, 4]
     for step, (want, got, ppl) in hand.checked.items():
@@ -130,18 +130,19 @@ def test_validation_loss_at_the_right_steps_equals_a_hand_run_pass_and_leaves_tr
     assert run.data.params["training/steps"] == "5"
 
     # evaluation changes nothing about training: the same weights as a run without it
-    plain, _ = fit(prefix, tmp_path / "plain")
+    plain, _ = fit(prefix, tmp_path / "plain", one_process_strategy)
     for (n, a), (_, b) in zip(module.model.state_dict().items(), plain.model.state_dict().items()):
         assert torch.equal(a, b), n
 
 
-def test_eval_settings_and_missing_valid_split(prefix, tmp_path):
+def test_eval_settings_and_missing_valid_split(prefix, tmp_path, one_process_strategy):
     with pytest.raises(ConfigError, match=r"training.eval_iters: must be an integer >= 1"):
         Evaluation(eval_interval=2, eval_iters=0, local_batch_size=2)
     with pytest.raises(ConfigError, match=r"training.eval_interval: must be an integer >= 0"):
         Evaluation(eval_interval=-1, eval_iters=1, local_batch_size=2)
     def trainer():
-        return L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        return L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_steps=2, logger=False,
+                         enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Evaluation(eval_interval=1, eval_iters=50, local_batch_size=2)])
 
@@ -153,7 +154,7 @@ def test_eval_settings_and_missing_valid_split(prefix, tmp_path):
         trainer().fit(tiny_module(2), MegatronDataModule(data(prefix, sizes=(40, 0, 0)), 2, 42, seq_length=SEQ))
 
 
-def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path):
+def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path, one_process_strategy):
     """``eval_dataset`` (shaped like train_dataset): its first split is what is evaluated."""
     from lit_moe.data.loader import build_from_spec, parse_dataloader
     from lit_moe.evaluation import build_evaluation
@@ -166,7 +167,7 @@ def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path):
     ev = build_evaluation(training, section, SEQ)
     assert ev is not None and ev.source == "eval_dataset"
     assert build_evaluation(TrainingConfig(eval_interval=0), section, SEQ) is None   # validated, unused
-    module, _ = fit(prefix, tmp_path, steps=2, evaluation=ev)
+    module, _ = fit(prefix, tmp_path, one_process_strategy, steps=2, evaluation=ev)
     data = build_from_spec(parse_dataloader(section["dataloader"], SEQ))[0]
     model = module.model.eval()
     losses = []

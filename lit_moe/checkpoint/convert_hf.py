@@ -35,7 +35,7 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
             max_shard_size: str = "5GB") -> Path:
     import torch
 
-    from lit_moe.checkpoint.hf import save_pretrained
+    from lit_moe.model.hf import save_pretrained
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.checkpoint.resume import find_iteration_dir
@@ -78,7 +78,7 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from lit_moe.checkpoint.hf import HFCheckpointError
+    from lit_moe.model.hf import HFCheckpointError
     from lit_moe.config import ConfigError
 
     try:

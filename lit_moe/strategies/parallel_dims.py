@@ -14,7 +14,7 @@ ranks, row-major, outermost first::
     dense  [dp_replicate R, fsdp S·C, tp T]              attention, dense MLP, embedding, head
     sparse [dp_replicate R, efsdp S·C·T/E, ep E]         routed experts
     dp   = flatten(dp_replicate, dp_shard)   size D      which batch a rank reads
-    dp_cp = flatten(dp_replicate, dp_shard, cp)          loss averaging, MoE token counts
+    dp_cp = flatten(dp_replicate, dp_shard, cp)          dense-gradient averaging (experts divide by it)
     cp_tp = flatten(cp, tp)                              ranks sharing one sample
 """
 
@@ -253,7 +253,7 @@ class ParallelDims:
             f"mesh batch  [dp_replicate={R}, dp_shard={S}, cp={C}, tp={T}]",
             f"mesh dense  [dp_replicate={R}, fsdp={S * C}, tp={T}]",
             f"mesh sparse [dp_replicate={R}, efsdp={self.efsdp}, ep={E}]",
-            f"mesh loss   dp_cp = {self.dp_cp} ranks (loss averaging, MoE token counts)",
+            f"mesh grads  dp_cp = {self.dp_cp} ranks (dense-gradient averaging)",
         ]
 
 
