@@ -33,7 +33,8 @@ SECTIONS = [
 ]
 
 # Topic pages, in README order.
-TOPICS = ["optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "callbacks.md"]
+TOPICS = ["optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "evaluation.md", "lora.md",
+          "callbacks.md"]
 
 
 def _load(path: str):

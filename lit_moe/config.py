@@ -91,6 +91,13 @@ class TrainingConfig:
     """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. Validated with
     MindFormers' rules (three positive ints, levels divisible by ``data_parallel * local_batch_size``),
     then refused: ramp-up is not implemented yet. null: ``global_batch_size`` throughout."""
+    eval_interval: int = 0
+    """Optimizer steps between evaluations (0: never): a no-grad pass over the valid split of the train
+    blend (``train_dataset.dataloader.sizes[1]``) or over the ``eval_dataset`` section, logged as
+    ``val/loss`` and ``val/ppl`` (see ``lit_moe/evaluation.py``)."""
+    eval_iters: int = 10
+    """Micro-batches (of ``local_batch_size``) per data-parallel rank in each evaluation; the same
+    samples every time."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,15 +504,10 @@ def check_not_yet_sections(swap: "SwapConfig", recompute: RecomputeConfig, top: 
         if ops:
             raise not_yet("recompute.exclude_op", list(ops), "saving chosen ops' outputs inside recomputed "
                           "layers", "remove the key, or select modules with recompute.select_module")
-    for key, what in (("lora_config", "LoRA adapters"), ("eval_dataset", "evaluation during training")):
+    for key in ("lora_config", "eval_dataset"):   # their keys: lit_moe.lora.lora_settings, lit_moe.evaluation
         value = top.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of keys or null, got {value!r}")
-        if key == "lora_config" and not value.get("target_modules"):
-            raise ConfigError("lora_config.target_modules: required (a regex of the linear layers to adapt)")
-        raise not_yet(key, "{...}", what, f"remove the {key} section (or set it to null)")
     flag = top.get("use_remove_redundant_dataset", False)
     if not isinstance(flag, bool):
         raise ConfigError(f"use_remove_redundant_dataset: expected true or false, got {flag!r}")
