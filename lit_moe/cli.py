@@ -321,9 +321,16 @@ def build_run(cfg: Any) -> Run:
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section)
 
-    from lit_moe.checkpoint import build_checkpoint_callback, resolve_load
+    from lit_moe.checkpoint import build_checkpoint_callback
+    from lit_moe.checkpoint.auto_resume import resolve_start
 
-    load = resolve_load(checkpoint, model_config)
+    # crash recovery, auto-resume, finished run, writable paths, changed schedule (resilience)
+    explicit_max = "max_steps" in _explicit_trainer_keys() and trainer_section.get("max_steps") is not None
+    start = resolve_start(checkpoint, model_config,
+                          max_steps=trainer_section["max_steps"] if explicit_max else training.steps,
+                          lr_section=lr_section, optimizer_section=optimizer_section, total_steps=training.steps,
+                          tensorboard_dir=monitor.tensorboard.output_dir)
+    checkpoint, load = start.checkpoint, start.load
 
     # Everything is valid: seed and build.
     pl.seed_everything(training.seed, workers=True, verbose=False)
@@ -353,6 +360,7 @@ def build_run(cfg: Any) -> Run:
     ckpt_cb = build_checkpoint_callback(checkpoint)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
+    builtin.extend(start.callbacks)  # after the checkpoint callback: preemption relies on its final save
     user = load_callbacks(cfg.get("callbacks"), base_dir=_CONFIG_DIR[0] if _CONFIG_DIR else None)
     run.callbacks = merge_callbacks(builtin, user)
     run.logger = build_logger(monitor)
@@ -456,6 +464,8 @@ def main(args: Optional[list[str]] = None) -> int:
     from jsonargparse import ArgumentError
 
     from lit_moe.callbacks import SkipLimitExceeded
+    from lit_moe.checkpoint.auto_resume import RunFinished
+    from lit_moe.preemption import exit_status
 
     import warnings
 
@@ -470,7 +480,10 @@ def main(args: Optional[list[str]] = None) -> int:
     except SkipLimitExceeded as err:
         print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
         return 1
-    return 0
+    except RunFinished as done:
+        print(f"lit_moe: {done}", file=sys.stderr)
+        return 0
+    return exit_status()  # 128 + signal when a preemption signal stopped the run
 
 
 if __name__ == "__main__":

@@ -56,6 +56,17 @@ class CheckpointConfig:
     everything (weights, optimizer, schedule, step, expert biases, RNG, data position)."""
     load_worker_number: int = 1
     """Reader threads per rank when loading."""
+    auto_resume: bool = True
+    """With ``load_path`` empty and a tracker in ``save_path``: resume from it, exactly as
+    ``load_path: <save_path>`` would (a relaunch of the same command continues where it stopped; one
+    already at its last step exits 0 and writes nothing). False: refuse to start on a ``save_path``
+    that already holds checkpoints."""
+    override_schedule: bool = False
+    """On resume, the learning-rate schedule (type, learning_rate, lr_end, warm-up, training.steps, ...)
+    and optimizer hyperparameters (type, betas, eps, weight_decay, ...) recorded in the checkpoint
+    must equal the config's: a difference is an error listing them. True: the config wins (Megatron's
+    ``--override-opt_param-scheduler``): its schedule is evaluated at the restored step and its
+    optimizer hyperparameters replace the saved ones (moments and step counts are kept)."""
 
 
 # ----------------------------------------------------------------------------------------------
