@@ -1,7 +1,7 @@
 """Fault-injection callbacks for the resilience tests, added through a config's ``callbacks:`` list.
 
-``LossProbe`` appends ``{"step", "loss", "lr", "rank", "restart"}`` per finished optimizer step to a
-JSON-lines file (rank 0, or every rank with ``all_ranks``). The others hurt their own process at the
+``LossProbe`` appends ``{"step", "loss", "lr", "rank", "restart"}`` (and the optimizer's betas, eps
+and weight decays after the step) per finished optimizer step to a JSON-lines file (rank 0, or every rank with ``all_ranks``). The others hurt their own process at the
 start of micro-batch ``micro`` (0-based) of optimizer step ``step`` (1-based) on global rank
 ``rank``, in the launch attempt ``restart`` (``TORCHELASTIC_RESTART_COUNT``; -1: every attempt).
 """
@@ -33,8 +33,11 @@ class LossProbe(Callback):
         self.last = m["step"]
         if trainer.is_global_zero or self.all_ranks:
             with open(self.path, "a") as f:
+                groups = trainer.optimizers[0].param_groups
                 f.write(json.dumps({"step": m["step"], "loss": repr(m["loss"]), "lr": repr(m["lr"]),
-                                    "rank": trainer.global_rank, "restart": _attempt()}) + "\n")
+                                    "rank": trainer.global_rank, "restart": _attempt(),
+                                    "betas": list(groups[0].get("betas", ())), "eps": groups[0].get("eps"),
+                                    "weight_decay": sorted({g.get("weight_decay") for g in groups})}) + "\n")
 
 
 class _AtMicroBatch(Callback):

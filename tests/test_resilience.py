@@ -119,3 +119,38 @@ def test_relaunch_of_a_finished_run_writes_nothing(chain):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "already finished" in proc.stderr and "step 6" in proc.stderr
     assert chain["unchanged"]  # every file under the run's directory: checkpoints, tracker, TensorBoard
+
+
+CHANGED = {"lr_scheduler": {"learning_rate": 6.0e-3, "lr_end": 1.0e-4, "warmup_ratio": 0.0},
+           "optimizer": {"betas": [0.8, 0.9], "eps": 1.0e-6, "weight_decay": 0.05}}
+
+
+def test_changed_schedule_is_an_error_unless_overridden(chain):
+    """The finished 6-step run continued to 8 steps with a new peak, lr_end, warm-up, betas, eps and weight
+    decay: without override_schedule one line lists every difference; with it, steps 7 and 8 use the new
+    cosine evaluated at the restored step (hand-computed) and the new optimizer hyperparameters."""
+    import math
+
+    root = chain["root"]
+    refused = fit(root, config(root, "longer.yaml", steps=8, **CHANGED))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    line = [ln for ln in refused.stderr.splitlines() if "error" in ln]
+    assert len(line) == 1 and "Traceback" not in refused.stderr
+    for field in ("lr_scheduler.learning_rate 0.003 → 0.006", "lr_scheduler.lr_end 0.0003 → 0.0001",
+                  "training.steps 6 → 8", "optimizer.betas",
+                  "optimizer.eps", "optimizer.weight_decay 0.01 → 0.05", "override_schedule"):
+        assert field in line[0], (field, line[0])
+    assert tracker(root / "ckpt") == "6"
+
+    go = fit(root, config(root, "override.yaml", steps=8, checkpoint={"override_schedule": True}, **CHANGED))
+    assert go.returncode == 0, go.stderr[-3000:]
+    assert go.stderr.count("override_schedule: from step 6") == 1
+    got = probe(root)
+    assert sorted(s for s in got if s > 6) == [7, 8]
+    for step in (7, 8):  # update index step-1 of a cosine without warm-up over 8 steps
+        t = step - 1
+        expected = 1.0e-4 + (6.0e-3 - 1.0e-4) * 0.5 * (1 + math.cos(math.pi * t / 8))
+        assert float(got[step]["lr"]) == pytest.approx(expected, rel=1e-12), step
+        assert got[step]["betas"] == [0.8, 0.9] and got[step]["eps"] == 1.0e-6
+        assert got[step]["weight_decay"] == [0.0, 0.05]
+    assert chain["probe"][6]["betas"] == [0.9, 0.95]  # the saved run really had other settings
