@@ -329,7 +329,7 @@ def build_run(cfg: Any) -> Run:
     start = resolve_start(checkpoint, model_config,
                           max_steps=trainer_section["max_steps"] if explicit_max else training.steps,
                           lr_section=lr_section, optimizer_section=optimizer_section, total_steps=training.steps,
-                          tensorboard_dir=monitor.tensorboard.output_dir)
+                          tensorboard_dir=monitor.tensorboard.output_dir, data_parallel=dims.dp)
     checkpoint, load = start.checkpoint, start.load
 
     # Everything is valid: seed and build.

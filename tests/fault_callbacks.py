@@ -88,3 +88,48 @@ class StopAt(_AtMicroBatch):
             f.write(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(1)
+
+
+class _PatchWrites(Callback):
+    """Replace the checkpoint writer of this rank for the save of optimizer step ``step``."""
+
+    def __init__(self, step: int, rank: int = 0, marker: str = "") -> None:
+        self.step, self.rank, self.marker = step, rank, marker
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        import lit_moe.checkpoint.iteration as iteration
+
+        real, target = iteration.write_pieces, f".iteration_{self.step:08d}.tmp"
+
+        def patched(path, pieces, *args, **kwargs):
+            if os.path.basename(os.path.dirname(str(path))) == target:
+                return self.instead(path, real, pieces, *args, **kwargs)
+            return real(path, pieces, *args, **kwargs)
+
+        iteration.write_pieces = patched
+
+    def instead(self, path, real, pieces, *args, **kwargs):
+        raise NotImplementedError
+
+
+class FailWrites(_PatchWrites):
+    """The disk is full while step ``step`` is saved (on rank ``rank``)."""
+
+    def instead(self, path, real, pieces, *args, **kwargs):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+class StallWrites(_PatchWrites):
+    """Write the first file of step ``step``'s save, then stall (the test kills the process); the
+    path of ``marker`` gets the stalled file's name."""
+
+    def instead(self, path, real, pieces, *args, **kwargs):
+        out = real(path, pieces, *args, **kwargs)
+        with open(self.marker, "w") as f:
+            f.write(str(path))
+        time.sleep(600)
+        return out

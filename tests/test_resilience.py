@@ -90,6 +90,10 @@ def chain(tmp_path_factory):
     before = checksums(root)
     out["finished"] = fit(root, again)
     out["unchanged"] = before == checksums(root)
+    import shutil
+
+    out["snapshot"] = tmp_path_factory.mktemp("snapshot") / "ckpt"  # the finished 6-step run, for copies
+    shutil.copytree(root / "ckpt", out["snapshot"])
     return out
 
 
@@ -154,3 +158,161 @@ def test_changed_schedule_is_an_error_unless_overridden(chain):
         assert got[step]["betas"] == [0.8, 0.9] and got[step]["eps"] == 1.0e-6
         assert got[step]["weight_decay"] == [0.0, 0.05]
     assert chain["probe"][6]["betas"] == [0.9, 0.95]  # the saved run really had other settings
+
+
+# ----------------------------------------------------------------------------------------------
+# bad inputs fail at start, each with one line (in-process CLI: the same code path, no launch cost)
+# ----------------------------------------------------------------------------------------------
+def _one_line(tmp_path: Path, capsys, cfg_path: Path, *extra: str) -> str:
+    from lit_moe.cli import main
+
+    code = main(["fit", "--config", str(cfg_path), *FLAGS, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [ln for ln in err if ln.startswith("lit_moe: error")]
+    assert code == 2 and len(lines) == 1, err[-20:]
+    return lines[0]
+
+
+def _copy_run(chain, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(chain["snapshot"], tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _rewrite_common(it: Path, edit) -> None:
+    from lit_moe.checkpoint.iteration import dump_common
+
+    common = json.loads((it / "common.json").read_text())
+    edit(common)
+    (it / "common.json").write_text(dump_common(common))
+
+
+def test_bad_inputs_each_get_one_line(chain, tmp_path, capsys, monkeypatch):
+    from lit_moe.checkpoint import safejson
+
+    (tmp_path / "afile").write_text("x")
+    line = _one_line(tmp_path, capsys, config(tmp_path, "a.yaml", checkpoint={"save_path": str(tmp_path / "afile/ck")}))
+    assert "checkpoint.save_path" in line and "afile" in line and "not a directory" in line
+    cfg = config(tmp_path, "b.yaml")
+    line = _one_line(tmp_path, capsys, cfg, "--monitor.tensorboard.output_dir", str(tmp_path / "afile" / "tb"))
+    assert "monitor.tensorboard.output_dir" in line and "afile" in line
+
+    save = _copy_run(chain, tmp_path)
+    line = _one_line(tmp_path, capsys, config(tmp_path, "c.yaml", checkpoint={"auto_resume": False}))
+    assert "checkpoint.auto_resume: False" in line and str(save) in line
+    # resuming from step 4 into a save_path that holds step 6 would overwrite it
+    line = _one_line(tmp_path, capsys, config(tmp_path, "d.yaml", checkpoint={"load_path": str(save / "iteration_00000004")}))
+    assert "iteration_00000006 of an earlier run" in line and "would be overwritten" in line
+
+    it = save / "iteration_00000006"
+    original = (it / "common.json").read_text()
+    cases = [
+        (lambda c: c["files"].update({"../../escape.safetensors": next(iter(c["files"].values()))}),
+         "names '../../escape.safetensors', not a file of"),
+        (lambda c: c.pop("files"), "lists no files"),
+        (lambda c: c.update(trainer_state=safejson.encode({k: v for k, v in safejson.decode(c["trainer_state"]).items()
+                                                         if k != "loops"})),
+         "has no training loop state (loops)"),
+    ]
+    for edit, words in cases:
+        _rewrite_common(it, edit)
+        line = _one_line(tmp_path, capsys, config(tmp_path, "e.yaml", steps=8))
+        assert words in line and str(it / "common.json") in line, line
+        (it / "common.json").write_text(original)
+
+    # 8 data-parallel ranks cannot split the 12 samples consumed by step 3 (a global batch of 16 now)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = config(tmp_path, "f.yaml", checkpoint={"load_path": str(save / "iteration_00000003"), "save_path":
+                                                 str(tmp_path / "other")})
+    line = _one_line(tmp_path, capsys, cfg, "--training.global_batch_size", "16")
+    assert "saved after 12 samples, which 8 data-parallel ranks cannot split evenly" in line
+    monkeypatch.delenv("WORLD_SIZE")
+
+
+def test_hugging_face_config_that_disagrees_is_one_line(tmp_path, capsys):
+    from lit_moe.checkpoint.hf import hf_config_dict
+    from lit_moe.model import DeepseekV3Config
+
+    cfg = helpers.tiny_config(tmp_path)
+    other = DeepseekV3Config(**{**cfg["model"], "hidden_size": 96})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_config_dict(other)))
+    (hf / "model.safetensors").write_bytes(b"")
+    line = _one_line(tmp_path, capsys, config(tmp_path, "hf.yaml", checkpoint={"load_path": str(hf),
+                                                                               "no_load_optim": True}))
+    assert f"{hf / 'config.json'} has hidden_size 96 but model.hidden_size gives 64" in line
+
+
+def test_interrupted_resave_and_tracker_are_recovered_at_start(chain, tmp_path, capsys):
+    from lit_moe.cli import main
+
+    save = _copy_run(chain, tmp_path)
+    # killed between moving iteration_6 aside and putting its replacement in place
+    os.replace(save / "iteration_00000006", save / ".iteration_00000006.old.4242")
+    assert main(["fit", "--config", str(config(tmp_path, "r.yaml")), *FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert "recovered" in err and "iteration_00000006 from .iteration_00000006.old.4242" in err
+    assert "already finished" in err and (save / "iteration_00000006" / "common.json").is_file()
+    assert not list(save.glob(".iteration_*"))
+    # killed between renaming iteration_6 into place and replacing the tracker
+    (save / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert main(["fit", "--config", str(config(tmp_path, "r.yaml")), *FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert "set to step 6" in err and "already finished" in err and tracker(save) == "6"
+
+
+# ----------------------------------------------------------------------------------------------
+# saves that fail or are killed
+# ----------------------------------------------------------------------------------------------
+def test_async_write_error_reaches_the_user_and_leaves_no_debris(tmp_path):
+    proc = fit(tmp_path, config(tmp_path, "full.yaml", checkpoint={"async_save": True},
+                                callbacks=[("FailWrites", {"step": 4})]))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit_moe: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "iteration_00000004 failed: rank 0: OSError: [Errno 28] No space left on device" in errors[0]
+    save = tmp_path / "ckpt"
+    assert tracker(save) == "2" and not list(save.glob(".iteration_*")) and not (save / "iteration_00000004").exists()
+
+
+def test_kill_during_async_save_then_relaunch_continues(chain, tmp_path):
+    import subprocess
+    import time
+
+    marker = tmp_path / "stalled.txt"
+    cfg = config(tmp_path, "run.yaml", checkpoint={"async_save": True},
+                 callbacks=[("StallWrites", {"step": 4, "marker": str(marker)})])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(helpers.ROOT), str(TESTS)])
+    proc = subprocess.Popen([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    save = tmp_path / "ckpt"
+    assert tracker(save) == "2" and (save / ".iteration_00000004.tmp").is_dir()
+    again = fit(tmp_path, config(tmp_path, "run.yaml", checkpoint={"async_save": True}))
+    assert again.returncode == 0 and "iteration_00000002, step 2" in again.stderr, again.stderr[-3000:]
+    got, ref = probe(tmp_path), chain["reference"]
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # steps 3 and 4 ran again after the kill
+    for step in ref:
+        assert got[step]["loss"] == ref[step]["loss"], step
+    assert tracker(save) == "6" and not list(save.glob(".iteration_*"))
+
+
+def test_one_rank_failing_during_a_commit_does_not_advance_the_tracker(tmp_path):
+    proc = fit(tmp_path, config(tmp_path, "dp2.yaml", callbacks=[("FailWrites", {"step": 4, "rank": 1})]),
+               "--trainer.devices", "2")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "iteration_00000004 failed: rank 1: OSError: [Errno 28] No space left on device" in proc.stderr
+    save = tmp_path / "ckpt"
+    assert tracker(save) == "2" and not (save / "iteration_00000004").exists()
+    assert not list(save.glob(".iteration_*"))

@@ -199,9 +199,11 @@ def _holds_checkpoints(save_path: Path) -> bool:
 
 def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max_steps: int,
                   lr_section: Optional[dict] = None, optimizer_section: Optional[dict] = None,
-                  total_steps: Optional[int] = None, tensorboard_dir: str = "") -> Start:
+                  total_steps: Optional[int] = None, tensorboard_dir: str = "",
+                  data_parallel: Optional[int] = None) -> Start:
     """Recovery, auto-resume, the finished-run check and the start-up checks (module docstring).
-    ``max_steps``: the step the run stops at (-1: no limit); ``total_steps``: ``training.steps``."""
+    ``max_steps``: the step the run stops at (-1: no limit); ``total_steps``: ``training.steps``;
+    ``data_parallel``: the run's data-parallel size (must divide a resumed run's consumed samples)."""
     from lit_moe.checkpoint.compat import RunSettings, check_resume_settings, run_settings
     from lit_moe.checkpoint.resume import resolve_load
     from lit_moe.preemption import Preemption
@@ -251,16 +253,68 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
                 f"step this run starts from ({start_step}); it would be overwritten. Resume from it, use another "
                 "save_path, or remove it")
 
+    state: dict = {}
+    if resuming:
+        from lit_moe.checkpoint.iteration import IterationReader
+
+        reader = IterationReader(load.path)
+        state = reader.trainer_state()
+        if not isinstance(state.get("loops"), dict):
+            raise CheckpointError(f"checkpoint file corrupted: {load.path / 'common.json'} has no training loop state "
+                                  "(loops); it cannot resume a run")
+        consumed = reader.common.get("consumed_samples")
+        if data_parallel and isinstance(consumed, int) and consumed % data_parallel:
+            raise CheckpointError(f"checkpoint.load_path: {load.path} was saved after {consumed} samples, which "
+                                  f"{data_parallel} data-parallel ranks cannot split evenly; resume with a "
+                                  f"data-parallel size that divides {consumed}")
+    if load.kind == "huggingface" and model_config is not None:
+        check_hf_config(Path(load.path), model_config)
+
     callbacks: list = []
     if lr_section is not None and total_steps is not None:
         settings = run_settings(lr_section, optimizer_section or {}, total_steps)
         diffs: list[str] = []
         if resuming:
-            from lit_moe.checkpoint.iteration import IterationReader
-
-            reader = IterationReader(load.path)
-            diffs = check_resume_settings(reader.trainer_state(), settings, override=checkpoint.override_schedule,
+            diffs = check_resume_settings(state, settings, override=checkpoint.override_schedule,
                                           where=str(load.path), step=load.step)
         callbacks.append(RunSettings(settings, diffs))
     callbacks.append(Preemption())
     return Start(checkpoint, load, callbacks, auto)
+
+
+# Keys of a Hugging Face DeepSeek-V3 config.json that fix the architecture and the tensor shapes.
+HF_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank",
+                 "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "first_k_dense_replace")
+
+
+def check_hf_config(directory: Path, model_config: Any) -> None:
+    """A Hugging Face ``load_path``'s ``config.json`` describes the model the ``model`` section builds:
+    one line naming the first field that differs (before anything is allocated)."""
+    import json
+
+    from lit_moe.checkpoint.hf import HFCheckpointError, hf_config_dict
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint.load_path: {path} is missing (a Hugging Face directory needs its "
+                              "config.json)")
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file corrupted: {path} ({type(err).__name__})") from None
+    try:
+        ours = hf_config_dict(model_config)
+    except HFCheckpointError:
+        return  # a model Hugging Face cannot describe: the weight loader names the mismatched tensors
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint file corrupted: {path} does not hold a mapping")
+    archs = saved.get("architectures")
+    if isinstance(archs, list) and archs and "DeepseekV3ForCausalLM" not in archs:
+        raise CheckpointError(f"checkpoint.load_path: {path} has architectures {archs}, the model section builds "
+                              "DeepseekV3ForCausalLM")
+    for key in HF_SHAPE_KEYS:
+        if key in saved and saved[key] != ours.get(key):
+            field = "model.model_type" if key == "model_type" else f"model.{key}"
+            raise CheckpointError(f"checkpoint.load_path: {path} has {key} {saved[key]!r} but {field} gives "
+                                  f"{ours.get(key)!r}")
