@@ -331,6 +331,9 @@ def build_run(cfg: Any) -> Run:
                           lr_section=lr_section, optimizer_section=optimizer_section, total_steps=training.steps,
                           tensorboard_dir=monitor.tensorboard.output_dir, data_parallel=dims.dp)
     checkpoint, load = start.checkpoint, start.load
+    from lit_moe.elastic import fresh_rendezvous
+
+    fresh_rendezvous(parallelism.process_group_timeout_s)  # torchrun restarts: no stale rendezvous keys
 
     # Everything is valid: seed and build.
     pl.seed_everything(training.seed, workers=True, verbose=False)

@@ -122,9 +122,6 @@ class Preemption(Callback):
                   f"{128 + sig}", file=sys.stderr, flush=True)
         _maybe_requeue(trainer, sig)
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore()
-
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
 

@@ -185,7 +185,7 @@ def check_writable(path: str, field_name: str) -> None:
 class Start:
     """``checkpoint``: the section with ``load_path`` filled in by auto-resume; ``load``: the
     :class:`~lit_moe.checkpoint.resume.LoadPlan`; ``callbacks``: what the run adds for resilience
-    (settings record/override, preemption)."""
+    (settings record/override, preemption, lost-rank diagnosis)."""
 
     checkpoint: CheckpointConfig
     load: Any
@@ -206,6 +206,7 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
     ``data_parallel``: the run's data-parallel size (must divide a resumed run's consumed samples)."""
     from lit_moe.checkpoint.compat import RunSettings, check_resume_settings, run_settings
     from lit_moe.checkpoint.resume import resolve_load
+    from lit_moe.peers import PeerWatch
     from lit_moe.preemption import Preemption
 
     if not isinstance(checkpoint.auto_resume, bool):
@@ -278,7 +279,7 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
             diffs = check_resume_settings(state, settings, override=checkpoint.override_schedule,
                                           where=str(load.path), step=load.step)
         callbacks.append(RunSettings(settings, diffs))
-    callbacks.append(Preemption())
+    callbacks += [Preemption(), PeerWatch()]
     return Start(checkpoint, load, callbacks, auto)
 
 
