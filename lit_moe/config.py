@@ -47,7 +47,8 @@ class CheckpointConfig:
     """Write tensors replicated across data-parallel ranks once (by one rank) instead of by every replica."""
     load_path: str = ""
     """Checkpoint to start from: a ``save_path`` (its tracker is followed), one iteration directory, or a
-    Hugging Face ``save_pretrained`` directory (needs ``no_load_optim: True``). Empty: fresh start.
+    Hugging Face ``save_pretrained`` directory (needs ``no_load_optim: True``). Empty: fresh start, or
+    the checkpoints already in ``save_path`` (``auto_resume``).
     A path that does not exist is an error (MindFormers warns and starts fresh)."""
     load_balanced: bool = False
     """Spread the reading of replicated tensors over ranks (each reads a part, then they are broadcast)."""
