@@ -106,10 +106,13 @@ AFFINITY_SCRIPT = textwrap.dedent("""
     class Module(FakeLitMoE):
         def train_dataloader(self):
             return DataLoader(Where(), batch_size=1, num_workers=1, multiprocessing_context="fork")
-        def training_step(self, batch, idx):
-            self.seen.append(batch[0].tolist())
-            self.main_cpus = sorted(os.sched_getaffinity(0))
-            return super().training_step((torch.zeros(2, 9, dtype=torch.long),), idx)
+        def training_step(self, dataloader_iter):
+            def record():
+                for batch, idx, dl in dataloader_iter:
+                    self.seen.append(batch[0].tolist())
+                    self.main_cpus = sorted(os.sched_getaffinity(0))
+                    yield (torch.zeros(2, 9, dtype=torch.long),), idx, dl
+            return super().training_step(record())
 
     m = Module(steps=1)
     m.seen = []
@@ -140,16 +143,13 @@ USER_MODULE = textwrap.dedent("""
 
     class CountSteps(L.Callback):
         def __init__(self, path, every=1):
-            self.path, self.every, self.last = path, every, None
+            self.path, self.every = path, every
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            m = pl_module.step_metrics
-            if not m or m["step"] == self.last:
-                return
-            self.last = m["step"]
-            if m["step"] % self.every == 0:
+            m = pl_module.step_metrics            # once per optimizer step
+            if m.step % self.every == 0:
                 with open(self.path, "a") as f:
-                    f.write(f"{m['step']} {m['loss']:.6f}\\n")
+                    f.write(f"{m.step} {m.loss:.6f}\\n")
 """)
 
 
@@ -172,7 +172,7 @@ def test_user_callback_from_yaml_class_path_runs(tmp_path):
     run(module, callbacks[:1])
     lines = log.read_text().splitlines()
     assert [int(l.split()[0]) for l in lines] == [2, 4]
-    assert float(lines[-1].split()[1]) == pytest.approx(module.step_metrics["loss"], abs=1e-6)
+    assert float(lines[-1].split()[1]) == pytest.approx(module.step_metrics.loss, abs=1e-6)
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from lit_moe.data import IndexedDataset
-from lit_moe.data.builtin import builtin_tokenizer_path
+from lit_moe.data.catalog import builtin_tokenizer_path
 from lit_moe.data.preprocess import main
 from test_data_support import megatron
 

@@ -203,8 +203,9 @@ def test_strategy_sampler_and_groups_follow_the_dp_mesh(fake_world):
     s._parallel_dims = dims
     # rank 5 = (dp_shard 2, tp 1): tensor-parallel ranks 4 and 5 read the same samples
     assert s.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 2}
-    assert dist.get_world_size(s.loss_reduce_group) == 4
     assert dist.get_world_size(s.expert_count_group) == 4
+    assert dist.get_rank(s.expert_count_group) == 2
+    assert s.batch_replicas == 2  # the two tensor-parallel ranks of each data-parallel rank
     assert s.parallel_dims.ep == 2
 
 

@@ -17,15 +17,16 @@ from lit_moe.callbacks.affinity import CPUAffinity, parse_cpu_list, plan_affinit
 from lit_moe.callbacks.moe_metrics import MoEMetrics, layer_stats
 from lit_moe.callbacks.profiler import StepProfiler
 from lit_moe.callbacks.progress import StepProgressBar
-from lit_moe.callbacks.skip import GlobalNormSkipGuard, SkipLimitExceeded, StepGuard
+from lit_moe.callbacks.skip import GlobalNormSkipGuard, SkipLimitExceeded
 from lit_moe.callbacks.step_logger import StepLogger, check_log_interval
 from lit_moe.callbacks.throughput import (KNOWN_PEAK_FLOPS, ThroughputMFU, known_peak_flops,
                                           measure_matmul_peak, throughput_metrics)
 from lit_moe.callbacks.train_state import TrainStateMonitor
 from lit_moe.callbacks.user import load_callbacks
+from lit_moe.step import GradientObserver, StepGuard, StepMetrics
 
 __all__ = [
-    "CPUAffinity", "GlobalNormSkipGuard", "KNOWN_PEAK_FLOPS", "MoEMetrics", "SkipLimitExceeded",
+    "CPUAffinity", "GlobalNormSkipGuard", "GradientObserver", "StepMetrics", "KNOWN_PEAK_FLOPS", "MoEMetrics", "SkipLimitExceeded",
     "StepGuard", "StepLogger", "StepProfiler", "StepProgressBar", "ThroughputMFU", "TrainStateMonitor",
     "build_callbacks", "build_logger", "known_peak_flops", "layer_stats", "load_callbacks",
     "measure_matmul_peak", "merge_callbacks", "parse_cpu_list", "plan_affinity", "throughput_metrics",
@@ -59,9 +60,9 @@ def _flops_per_token(model_config: Any, seq_length: int) -> Optional[float]:
 
 def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any, seq_length: int,
                     resolved_config: Any, peak_flops: Optional[float] = None) -> list[Callback]:
-    """The built-in callbacks of a run, in the order they must run: affinity, profiler,
-    train-state lines (a StepGuard that never skips, before the skip guard), skip protection,
-    throughput (fills ``step_metrics["perf"]`` for the console line), MoE metrics, step logger."""
+    """The built-in callbacks of a run: affinity, profiler, train-state lines (a gradient
+    observer), skip protection, throughput (the owner of tokens/s and MFU, asked by the console
+    line), MoE metrics, step logger. None of them depends on another's position in the list."""
     log_interval = check_log_interval(monitor.tensorboard.log_interval)
     callbacks: list[Callback] = []
 

@@ -1,9 +1,9 @@
-"""Small helpers shared by the callbacks: reading the module's per-step metrics, ranks, printing,
-DTensor-aware norms and TensorBoard writing.
+"""Small helpers shared by the callbacks: steps done, printing, DTensor-aware norms and TensorBoard
+writing.
 
-The LightningModule (``lit_moe/module.py``) uses manual optimization: every dataloader batch is one
-micro-batch, and after the optimizer step (the A-th micro-batch) it sets ``pl_module.step_metrics``.
-Callbacks read that dict in ``on_train_batch_end`` and act only when its ``"step"`` changed.
+The LightningModule (``lit_moe/module.py``) runs one optimizer step per ``training_step`` and then
+sets ``pl_module.step_metrics`` (a frozen :class:`lit_moe.step.StepMetrics`); callbacks read it in
+``on_train_batch_end``, which fires once per optimizer step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from lit_moe.config import ConfigError
 
@@ -21,31 +20,13 @@ from lit_moe.config import ConfigError
 # ----------------------------------------------------------------------------------------------
 # step metrics
 # ----------------------------------------------------------------------------------------------
-class StepWatcher:
-    """Mixin: ``new_step_metrics(pl_module)`` returns the module's ``step_metrics`` once per
-    optimizer step (None on the other micro-batches)."""
-
-    _last_seen_step: Optional[int] = None
-
-    def new_step_metrics(self, pl_module: Any) -> Optional[dict]:
-        metrics = getattr(pl_module, "step_metrics", None)
-        if not metrics or metrics.get("step") is None:
-            return None
-        step = int(metrics["step"])
-        if step == self._last_seen_step:
-            return None
-        self._last_seen_step = step
-        return metrics
-
-
 def steps_done(trainer: Any, pl_module: Any) -> int:
-    """Optimizer steps completed so far (skipped steps included when the module counts them).
-
-    ``step_metrics["step"]`` is authoritative; before the first step of this run we fall back to
-    ``trainer.global_step`` (which Lightning restores on resume and counts real optimizer steps)."""
+    """Optimizer steps completed so far, skipped steps included: the module's last
+    ``step_metrics.step``, or before the first step of this run ``trainer.global_step`` (which
+    Lightning restores on resume)."""
     metrics = getattr(pl_module, "step_metrics", None)
-    if metrics and metrics.get("step") is not None:
-        return int(metrics["step"])
+    if metrics is not None:
+        return int(metrics.step)
     return int(getattr(trainer, "global_step", 0) or 0)
 
 
@@ -56,14 +37,6 @@ def is_log_step(step: int, interval: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # ranks and printing
 # ----------------------------------------------------------------------------------------------
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def emit(line: str, *, error: bool = False) -> None:
     """Print one line (stdout, or stderr for warnings) and flush, so that lines of concurrent
     ranks are not interleaved mid-line."""

@@ -1,11 +1,11 @@
 """MoE routing metrics (``monitor.moe_monitor``) and the drop-rate line of graph mode's
 ``MoEDropRateCallback`` (seed 003).
 
-Input: ``step_metrics["moe"]`` from the module, already reduced over micro-batches and dp×cp ranks
-(all CPU tensors, one row per MoE layer in ``model.moe_layers()`` order, MTP layers included):
-``tokens_per_expert [L, E]``, ``aux_loss [L]`` (without the coefficient), ``expert_bias [L, E]``
-(after the update), ``dropped [L]`` and ``assigned [L]`` (token-expert assignments dropped by the
-capacity / routed).
+Input: ``step_metrics.moe`` (:class:`lit_moe.step.MoEStepStats`) from the module, already reduced
+over micro-batches and data-parallel ranks (all CPU tensors, one row per MoE layer in
+``model.moe_layers()`` order, MTP layers included): ``tokens_per_expert [L, E]``, ``aux_loss [L]``
+(without the coefficient), ``expert_bias [L, E]`` (after the update), ``dropped [L]`` and
+``assigned [L]`` (token-expert assignments dropped by the capacity / routed).
 
 Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N.., the ids that
 ``recompute`` uses), every ``log_interval`` steps:
@@ -28,28 +28,27 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
+from lit_moe.callbacks._common import add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.callbacks.heatmap import encode_png, heatmap_image
+from lit_moe.step import MoEStepStats, StepMetrics
 
 DEFAULT_EXPERT_INTERVAL = 50
 
 
-def layer_stats(moe: dict, row: int) -> dict[str, Optional[float]]:
+def layer_stats(moe: MoEStepStats, row: int) -> dict[str, Optional[float]]:
     """The scalar metrics of one MoE layer (row of the ``moe`` tensors)."""
-    counts = moe["tokens_per_expert"][row].detach().double()
+    counts = moe.tokens_per_expert[row].detach().double()
     mean = float(counts.mean())
     out: dict[str, Optional[float]] = {
         "load_imbalance": float(counts.max()) / mean if mean > 0 else None,
     }
-    if moe.get("aux_loss") is not None:
-        out["aux_loss"] = float(moe["aux_loss"][row])
-    if moe.get("expert_bias") is not None:
-        bias = moe["expert_bias"][row].detach().double()
-        out["expert_bias_mean"] = float(bias.mean())
-        out["expert_bias_max_abs"] = float(bias.abs().max())
-    if moe.get("dropped") is not None and moe.get("assigned") is not None:
-        assigned = float(moe["assigned"][row])
-        out["drop_rate"] = float(moe["dropped"][row]) / assigned if assigned > 0 else None
+    if moe.aux_loss is not None:
+        out["aux_loss"] = float(moe.aux_loss[row])
+    bias = moe.expert_bias[row].detach().double()
+    out["expert_bias_mean"] = float(bias.mean())
+    out["expert_bias_max_abs"] = float(bias.abs().max())
+    assigned = float(moe.assigned[row])
+    out["drop_rate"] = float(moe.dropped[row]) / assigned if assigned > 0 else None
     return out
 
 
@@ -92,7 +91,7 @@ def _check_interval(value: Any, field: str) -> Optional[int]:
     return value
 
 
-class MoEMetrics(Callback, StepWatcher):
+class MoEMetrics(Callback):
     """Per-layer MoE scalars, per-expert token counts, the expert-load heatmap and the drop-rate line.
 
     Args:
@@ -152,18 +151,18 @@ class MoEMetrics(Callback, StepWatcher):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        m = self.new_step_metrics(pl_module)
-        if m is None or not m.get("moe"):
+        m: StepMetrics = pl_module.step_metrics
+        if m.moe is None:
             return
-        moe, step = m["moe"], int(m["step"])
+        moe, step = m.moe, m.step
         if self._rows is None:
-            self._select(pl_module, moe["tokens_per_expert"].shape[0])
+            self._select(pl_module, moe.tokens_per_expert.shape[0])
         logged = is_log_step(step, self.log_interval)
         experts_due = is_log_step(step, self.expert_interval)
         if not (logged or experts_due) or not trainer.is_global_zero:
             return
         writer = tb_writer(trainer)
-        samples = m.get("consumed_samples")
+        samples = m.consumed_samples
         stats = [layer_stats(moe, r) for r in self._rows]
         if logged:
             for name, st in zip(self._names, stats):
@@ -173,22 +172,22 @@ class MoEMetrics(Callback, StepWatcher):
             imbalances = [st["load_imbalance"] for st in stats if st["load_imbalance"] is not None]
             if imbalances:
                 add_scalar(writer, "moe/max_load_imbalance", max(imbalances), step, samples)
-            if self.drop_rate and moe.get("dropped") is not None:
-                dropped = float(moe["dropped"][self._rows].sum())
-                assigned = float(moe["assigned"][self._rows].sum())
+            if self.drop_rate:
+                dropped = float(moe.dropped[self._rows].sum())
+                assigned = float(moe.assigned[self._rows].sum())
                 if assigned > 0:
                     add_scalar(writer, "moe/drop_rate", dropped / assigned, step, samples)
                 emit(f"MoE drop rate step {step}: " + ", ".join(
                     f"{name} {st['drop_rate']:.4f}" if st.get("drop_rate") is not None else f"{name} n/a"
                     for name, st in zip(self._names, stats)))
         if experts_due and writer is not None:
-            tpe = moe["tokens_per_expert"]
+            tpe = moe.tokens_per_expert
             for name, r in zip(self._names, self._rows):
                 for e, count in enumerate(tpe[r].tolist()):
                     writer.add_scalar(f"moe/{name}/tokens_per_expert/expert{e}", float(count),
                                       global_step=step)
         if experts_due and (writer is not None or self.heatmap_dir):
-            self.write_heatmap(writer, moe["tokens_per_expert"][self._rows], step)
+            self.write_heatmap(writer, moe.tokens_per_expert[self._rows], step)
 
     def write_heatmap(self, writer: Any, tokens_per_expert: torch.Tensor, step: int) -> Optional[Path]:
         image = heatmap_image(tokens_per_expert)

@@ -34,11 +34,12 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
             max_shard_size: str = "5GB") -> Path:
     import torch
 
-    from lit_moe.checkpoint.hf import save_pretrained
+    from lit_moe.model.hf import save_pretrained
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.checkpoint.resume import find_iteration_dir
-    from lit_moe.config import ConfigError, load_yaml
+    from lit_moe.config import ConfigError
+    from lit_moe.config_file import load_yaml
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 
     data = load_yaml(config_path)
@@ -64,7 +65,7 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from lit_moe.checkpoint.hf import HFCheckpointError
+    from lit_moe.model.hf import HFCheckpointError
     from lit_moe.config import ConfigError
 
     try:

@@ -1,7 +1,7 @@
 """Hugging Face weights into an already built (possibly sharded) model: ``load_path`` pointing at a
 ``save_pretrained`` directory with ``no_load_optim: True``.
 
-The key mapping and orientation are :mod:`lit_moe.checkpoint.hf`'s (``hf_keys``); this module
+The key mapping and orientation are :mod:`lit_moe.model.hf`'s (``hf_keys``); this module
 reads each of our tensors whole on the CPU, one at a time, and keeps the piece this rank holds, so
 it works for FSDP2 / tensor / expert parallel layouts without building an unsharded model.
 """
@@ -24,7 +24,7 @@ def _listing(items: list[str], n: int = 6) -> str:
 
 def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = None, workers: int = 1) -> None:
     """Fill ``model`` (a ``DeepseekV3ForCausalLM``, any layout) from the Hugging Face directory."""
-    from lit_moe.checkpoint import hf
+    from lit_moe.model import hf
 
     directory = Path(directory)
     config = getattr(model, "config", None) or model_config

@@ -8,8 +8,8 @@ from typing import Optional
 import numpy as np
 
 from lit_moe.config import ConfigError
+from lit_moe.data.catalog import builtin_tokenizer_path
 
-CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 
 # End-of-document tokens looked for, in this order, when a tokenizer file is given without --eod-token.
 EOD_CANDIDATES = ("<eod>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>",
@@ -90,7 +90,5 @@ def load_tokenizer(spec: str, eod_token: Optional[str] = None, add_special_token
             raise ConfigError("--eod-token: the byte tokenizer's EOD is fixed (256)")
         return ByteTokenizer()
     if spec.startswith("builtin:"):
-        from lit_moe.data.builtin import builtin_tokenizer_path
-
         spec = builtin_tokenizer_path(spec[len("builtin:"):])
     return JsonTokenizer(spec, eod_token, add_special_tokens)

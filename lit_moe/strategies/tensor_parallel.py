@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.strategies import comm
 from lit_moe.strategies.hooks import around_forward, use_local_params
 
@@ -127,13 +128,12 @@ def tp_head(model: nn.Module, mesh) -> None:
     if callable(getattr(model, "loss_function", None)):
         original = model.loss_function
 
+        def vocab_parallel_ce(logits, labels):
+            # ``logits`` are this rank's vocabulary columns
+            return comm.vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
+
         def vocab_parallel_loss(logits, labels, mask):
-            # ``logits`` are this rank's vocabulary columns; the model's masked mean is kept.
-            mask = mask.to(torch.float32)
-            labels = torch.where(mask > 0, labels, 0)
-            ce = comm.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                   vocab_start, group)
-            return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
+            return masked_cross_entropy(logits, labels, mask, per_token=vocab_parallel_ce)  # the model's mean
 
         vocab_parallel_loss.__wrapped__ = original  # type: ignore[attr-defined]
         model.loss_function = vocab_parallel_loss
