@@ -332,9 +332,20 @@ def build_run(cfg: Any) -> Run:
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section)
 
-    from lit_moe.checkpoint import build_checkpoint_callback, resolve_load
+    from lit_moe.checkpoint import build_checkpoint_callback
+    from lit_moe.checkpoint.auto_resume import resolve_start
 
-    load = resolve_load(checkpoint, model_config)
+    # crash recovery, auto-resume, finished run, writable paths, changed schedule (resilience)
+    explicit_max = "max_steps" in _explicit_trainer_keys() and trainer_section.get("max_steps") is not None
+    start = resolve_start(checkpoint, model_config,
+                          max_steps=trainer_section["max_steps"] if explicit_max else training.steps,
+                          lr_section=lr_section, optimizer_section=optimizer_section, total_steps=training.steps,
+                          tensorboard_dir=monitor.tensorboard.output_dir, data_parallel=dims.dp)
+    checkpoint, load = start.checkpoint, start.load
+    from lit_moe.elastic import fresh_rendezvous
+
+    fresh_rendezvous(parallelism.process_group_timeout_s)  # torchrun restarts: no stale rendezvous keys
+
     from lit_moe.strategies.plan import check_fits
 
     accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
@@ -382,6 +393,7 @@ def build_run(cfg: Any) -> Run:
     ckpt_cb = build_checkpoint_callback(checkpoint)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
+    builtin.extend(start.callbacks)  # after the checkpoint callback: preemption relies on its final save
     user = load_callbacks(cfg.get("callbacks"), base_dir=_CONFIG_DIR[0] if _CONFIG_DIR else None)
     run.callbacks = merge_callbacks(builtin, user)
     run.logger = build_logger(monitor)
@@ -516,6 +528,8 @@ def main(args: Optional[list[str]] = None) -> int:
     from jsonargparse import ArgumentError
 
     from lit_moe.callbacks import SkipLimitExceeded
+    from lit_moe.checkpoint.auto_resume import RunFinished
+    from lit_moe.preemption import exit_status
     from lit_moe.config_file import load_run_config
 
     import warnings
@@ -541,7 +555,10 @@ def main(args: Optional[list[str]] = None) -> int:
     except SkipLimitExceeded as err:
         print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
         return 1
-    return 0
+    except RunFinished as done:
+        print(f"lit_moe: {done}", file=sys.stderr)
+        return 0
+    return exit_status()  # 128 + signal when a preemption signal stopped the run
 
 
 if __name__ == "__main__":

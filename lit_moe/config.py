@@ -53,7 +53,8 @@ class CheckpointConfig:
     """Write tensors replicated across data-parallel ranks once (by one rank) instead of by every replica."""
     load_path: str = ""
     """Checkpoint to start from: a ``save_path`` (its tracker is followed), one iteration directory, or a
-    Hugging Face ``save_pretrained`` directory (needs ``no_load_optim: True``). Empty: fresh start.
+    Hugging Face ``save_pretrained`` directory (needs ``no_load_optim: True``). Empty: fresh start, or
+    the checkpoints already in ``save_path`` (``auto_resume``).
     A path that does not exist is an error (MindFormers warns and starts fresh)."""
     load_balanced: bool = False
     """Spread the reading of replicated tensors over ranks (each reads a part, then they are broadcast)."""
@@ -62,6 +63,17 @@ class CheckpointConfig:
     everything (weights, optimizer, schedule, step, expert biases, RNG, data position)."""
     load_worker_number: int = 1
     """Reader threads per rank when loading."""
+    auto_resume: bool = True
+    """With ``load_path`` empty and a tracker in ``save_path``: resume from it, exactly as
+    ``load_path: <save_path>`` would (a relaunch of the same command continues where it stopped; one
+    already at its last step exits 0 and writes nothing). False: refuse to start on a ``save_path``
+    that already holds checkpoints."""
+    override_schedule: bool = False
+    """On resume, the learning-rate schedule (type, learning_rate, lr_end, warm-up, training.steps, ...)
+    and optimizer hyperparameters (type, betas, eps, weight_decay, ...) recorded in the checkpoint
+    must equal the config's: a difference is an error listing them. True: the config wins (Megatron's
+    ``--override-opt_param-scheduler``): its schedule is evaluated at the restored step and its
+    optimizer hyperparameters replace the saved ones (moments and step counts are kept)."""
     save_global_layout_cache: bool = True
     """Accepted, no effect (see "Keys accepted without effect")."""
     reshard_worker_num: int = 1
