@@ -402,18 +402,22 @@ def test_bf16_compute_keeps_fp32_state(layout_results, references):
     assert got["activation_dtypes"] == ["torch.bfloat16"]
     assert got["param_dtypes"] == got["grad_dtypes"] == got["optimizer_state_dtypes"] == ["torch.float32"]
     ref = references[(1, False, False)]
-    assert abs(got["loss"][0] - ref["loss"][0]) <= 2e-2 * ref["loss"][0]
+    # bf16 compute vs the fp32 single-process run: measured 7e-4 (loss) and 4e-3 (pre-clip grad norm)
+    # relative; the bounds leave ~4x margin and no room for a wrong layer
+    assert abs(got["loss"][0] - ref["loss"][0]) <= 3e-3 * ref["loss"][0]
+    assert abs(got["grad_norm"][0] - ref["grad_norm"][0]) <= 2e-2 * ref["grad_norm"][0]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [n for n in LAYOUTS])
 def test_sharded_memory(name, layout_results):
-    """Point 8: per-rank parameter and AdamW-state bytes are within 10% of total / N plus the
-    replicated remainder (measured from the local shards of rank 0)."""
+    """Point 8: per-rank parameter and AdamW-state bytes are exactly total / N of each sharded tensor
+    plus the replicated remainder (measured from the local shards of rank 0; every sharded dimension
+    of this model divides evenly, so there is no padding to allow for)."""
     mem = layout_results[name]["memory"]
-    assert abs(mem["local"] - mem["expected"]) <= 0.10 * mem["expected"], mem
+    assert mem["local"] == mem["expected"], mem
     # AdamW keeps two fp32 moments per local parameter value
-    assert abs(mem["optimizer"] - 2 * mem["local"]) <= 0.10 * 2 * mem["local"], mem
+    assert mem["optimizer"] == 2 * mem["local"], mem
     assert mem["local"] < mem["total"]
 
 
