@@ -51,7 +51,9 @@ def reference(tmp_path_factory) -> dict:
     """The uninterrupted two-rank run; rank 1's disk is full for the final save (step 6), which the
     losses of steps 1..6 do not see."""
     tmp = tmp_path_factory.mktemp("dp2_reference")
-    proc = torchrun(tmp, config(tmp, "ref.yaml", callbacks=[("FailWrites", {"step": 6, "rank": 1})]), 0)
+    cfg = config(tmp, "ref.yaml", checkpoint={"save_interleaved_steps": 4},  # step 6: the end-of-training save
+                 callbacks=[("FailWrites", {"step": 6, "rank": 1})])
+    proc = torchrun(tmp, cfg, 0)
     return {"probe": probe(tmp), "proc": proc, "save": tmp / "ckpt"}
 
 
