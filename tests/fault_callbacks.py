@@ -27,27 +27,33 @@ class LossProbe(Callback):
         self.last = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        m = getattr(pl_module, "step_metrics", None) or {}
-        if m.get("step") is None or m["step"] == self.last:
+        m = getattr(pl_module, "step_metrics", None)  # a StepMetrics, once per optimizer step
+        if m is None or m.step == self.last:
             return
-        self.last = m["step"]
+        self.last = m.step
         if trainer.is_global_zero or self.all_ranks:
             with open(self.path, "a") as f:
                 groups = trainer.optimizers[0].param_groups
-                f.write(json.dumps({"step": m["step"], "loss": repr(m["loss"]), "lr": repr(m["lr"]),
+                f.write(json.dumps({"step": m.step, "loss": repr(m.loss), "lr": repr(m.lr),
                                     "rank": trainer.global_rank, "restart": _attempt(),
                                     "betas": list(groups[0].get("betas", ())), "eps": groups[0].get("eps"),
                                     "weight_decay": sorted({g.get("weight_decay") for g in groups})}) + "\n")
 
 
 class _AtMicroBatch(Callback):
+    """Fires before the model's forward of the chosen micro-batch (a forward pre-hook on the
+    model, so it lands inside the optimizer step however the step loops over its micro-batches)."""
+
     def __init__(self, step: int, micro: int = 0, rank: int = 0, restart: int = 0) -> None:
         self.step, self.micro, self.rank, self.restart = step, micro, rank, restart
         self.seen = -1
         self.count = 0
         self.done = False
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.model.register_forward_pre_hook(lambda module, args: self._forward(trainer))
+
+    def _forward(self, trainer) -> None:
         step = trainer.global_step + 1  # the optimizer step this micro-batch belongs to
         self.count = self.count + 1 if step == self.seen else 0
         self.seen = step

@@ -1,5 +1,8 @@
 """Rank death on CPU/gloo, two ranks, through the real CLI:
 
+* the reference two-rank run under torchrun, whose final save fails on rank 1 (a full disk): rank 0
+  does not move the tracker, no directory or debris of that step is left, both ranks say so in one
+  line;
 * ``torchrun --max-restarts 1`` with rank 1 SIGKILLed at the start of step 3: the agent restarts both
   workers, they rendezvous afresh, auto-resume from step 2 and finish with the losses of an
   uninterrupted two-rank run (bit for bit);
@@ -24,7 +27,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 import helpers  # noqa: E402
-from test_resilience import FLAGS, config, probe  # noqa: E402
+from test_resilience import FLAGS, config, probe, tracker  # noqa: E402
 
 
 def _env() -> dict:
@@ -45,10 +48,24 @@ def _rank_lines(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
+    """The uninterrupted two-rank run; rank 1's disk is full for the final save (step 6), which the
+    losses of steps 1..6 do not see."""
     tmp = tmp_path_factory.mktemp("dp2_reference")
-    proc = torchrun(tmp, config(tmp, "ref.yaml"), 0)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return probe(tmp)
+    cfg = config(tmp, "ref.yaml", checkpoint={"save_interleaved_steps": 4},  # step 6: the end-of-training save
+                 callbacks=[("FailWrites", {"step": 6, "rank": 1})])
+    proc = torchrun(tmp, cfg, 0)
+    return {"probe": probe(tmp), "proc": proc, "save": tmp / "ckpt"}
+
+
+def test_one_rank_failing_during_a_commit_does_not_advance_the_tracker(reference):
+    proc, save = reference["proc"], reference["save"]
+    assert proc.returncode != 0 and sorted(reference["probe"]) == [1, 2, 3, 4, 5, 6], proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit_moe: error")]
+    assert len(errors) == 2 and proc.stderr.count("No space left on device") == 2, proc.stderr[-3000:]  # no traceback
+    for line in errors:  # both ranks report the same failure
+        assert "iteration_00000006 failed: rank 1: OSError: [Errno 28] No space left on device" in line
+    assert tracker(save) == "4" and not (save / "iteration_00000006").exists()
+    assert not list(save.glob(".iteration_*"))
 
 
 def test_restarted_workers_resume_and_finish_with_the_uninterrupted_losses(tmp_path, reference):
@@ -56,7 +73,7 @@ def test_restarted_workers_resume_and_finish_with_the_uninterrupted_losses(tmp_p
     proc = torchrun(tmp_path, cfg, 1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resuming from" in proc.stderr and "iteration_00000002, step 2" in proc.stderr
-    got = probe(tmp_path)
+    got, reference = probe(tmp_path), reference["probe"]
     assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5, 6]
     assert [got[s]["restart"] for s in sorted(got)] == [0, 0, 1, 1, 1, 1]  # 3..6 ran in the second attempt
     for step in reference:
