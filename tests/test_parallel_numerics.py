@@ -94,7 +94,7 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
     """AdamW training of ``model`` on this rank's share of the fixed batches."""
     import torch.distributed as dist
 
-    from lit_moe.strategies import clip_grad_norm_
+    from lit_moe.strategies import clip_grads_with_norm_, global_grad_norm
 
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, weight_decay=0.01, foreach=False)
     data = batches()
@@ -118,7 +118,9 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
             objective = (res.loss + res.aux_loss + res.mtp_loss) / accumulation
             objective.backward()
             total += res.loss.detach().float() / accumulation
-        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)
+        clip_grads_with_norm_(params, 1.0, norm)
         out["grad_dtypes"] = sorted({str(_local(p.grad).dtype) for p in model.parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)

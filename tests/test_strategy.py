@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lit_moe.config import ConfigError, ParallelismConfig
-from lit_moe.strategies import ParallelDims, ParallelismError, clip_grad_norm_, global_grad_norm
+from lit_moe.strategies import ParallelDims, ParallelismError, clip_grads_with_norm_, global_grad_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -306,6 +306,13 @@ def test_no_hard_coded_device_type_in_the_strategy_code():
 # ----------------------------------------------------------------------------------------------
 # gradient norm (one process; the multi-mesh cases run in test_parallel_numerics)
 # ----------------------------------------------------------------------------------------------
+def clip_grad_norm_(params, max_norm):
+    """The module's clipping path: the global norm, then the one clipping rule."""
+    norm = global_grad_norm(params)
+    clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def test_clip_grad_norm_matches_torch():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4))]
