@@ -65,7 +65,9 @@ def moe_block_ids(pl_module: Any, n_rows: int) -> list[int]:
         return list(range(n_rows))
     row_of = {id(m): k for k, m in enumerate(moe_layers)}
     ids: list[Optional[int]] = [None] * len(moe_layers)
-    for block_id, block in enumerate(blocks):
+    # a pipeline stage holds some blocks only and names their global ids
+    block_ids = list(model.block_ids()) if hasattr(model, "block_ids") else range(len(blocks))
+    for block_id, block in zip(block_ids, blocks):
         for sub in block.modules():
             if id(sub) in row_of:
                 ids[row_of[id(sub)]] = block_id

@@ -161,6 +161,10 @@ def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: 
     (MindFormers writes A into ``pipeline_parallel_microbatch_size``)."""
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
+    if getattr(parallelism, "context_parallel", 1) > 1:
+        raise PipelineError(f"parallelism.context_parallel: {parallelism.context_parallel} with pipeline_parallel "
+                            f"{layout.pp} is not implemented yet (the stages do not split the sequence); use "
+                            "context_parallel 1")
     for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
         if getattr(parallelism, key, False):
             raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
@@ -336,6 +340,9 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
+    if dims.cp > 1:
+        raise PipelineError(f"parallelism.context_parallel: {dims.cp} with pipeline_parallel {dims.pp} is not "
+                            "implemented yet (the stages do not split the sequence); use context_parallel 1")
     if layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1:
         # torch's weight-gradient pass differentiates w.r.t. the registered (sharded) parameters,
         # which FSDP2's all-gathered copies stand in for in the graph: their gradients would be lost
