@@ -154,7 +154,7 @@ def _full(t):
 def reference(mtp: int) -> dict:
     """One process, no parallelism: 4 micro-batches of one sample per step."""
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-    from lit_moe.strategies.clip import clip_grad_norm_
+    from lit_moe.strategies.clip import clip_grads_with_norm_, global_grad_norm
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp)))
@@ -170,8 +170,10 @@ def reference(mtp: int) -> dict:
             res = model(input_ids=tok[:, :-1], labels=tok[:, 1:])
             ((res.loss + res.aux_loss + res.mtp_loss) / GLOBAL_BATCH).backward()
             sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
-        out["grad_norm"].append(float(clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                      MAX_NORM)))
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)
+        clip_grads_with_norm_(params, MAX_NORM, norm)
+        out["grad_norm"].append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_expert_bias(torch.stack([m.tokens_per_expert for m in model.moe_layers()]))

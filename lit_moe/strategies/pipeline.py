@@ -213,9 +213,11 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
 
     def __init__(self, model: DeepseekV3ForCausalLM, layer_ids: Sequence[int], first: bool, last: bool):
         nn.Module.__init__(self)
-        self.config = model.config
-        self.loss_function = model.loss_function
-        self.compute_dtype = model.compute_dtype
+        # the model's plain attributes (config, dtypes, and the functions parallelisms swap in: the
+        # loss under tensor parallel, the token shift under context parallel)
+        for key, value in vars(model).items():
+            if not key.startswith("_") and key != "training" and not isinstance(value, nn.Module):
+                self.__dict__[key] = value
         self.is_first, self.is_last = bool(first), bool(last)
         self.layer_ids = list(layer_ids)
         mtp = self.is_last and len(model.mtp) > 0
@@ -352,7 +354,7 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
             "ranks; use 1f1b or interleaved_1f1b")
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
-    apply_cp(model, dims)
+    apply_cp(model, dims, parallelism)
     apply_recompute_step(model, recompute, recompute_comm, dims)
     container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank())
     # One rank per stage shards nothing and reduces nothing: like one process, no FSDP.
