@@ -131,3 +131,32 @@ def test_linear_casts_weight_to_input_dtype():
     y.float().sum().backward()
     assert lin.weight.grad.dtype == torch.float32
     assert lin.bias is None
+
+
+def test_fused_linear_is_one_gemm_equal_to_the_modules_and_respects_hooks():
+    from lit_moe.ops import Linear, fused_linear
+
+    torch.manual_seed(0)
+    a, b = Linear(16, 8), Linear(16, 4)
+    with torch.no_grad():
+        a.weight.normal_(), b.weight.normal_()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    calls = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        y = fused_linear(x, a, b)
+    assert len(calls) == 1 and y.shape == (3, 12)
+    torch.testing.assert_close(y, torch.cat([a(x), b(x)], -1), atol=0, rtol=0)
+    hooked = []
+    b.register_forward_hook(lambda m, i, o: hooked.append(o.shape))   # e.g. tensor parallel, recompute
+    calls.clear()
+    with Count():
+        y2 = fused_linear(x, a, b)
+    assert len(calls) == 2 and hooked == [(3, 4)]
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
