@@ -21,6 +21,7 @@ from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
 from lit_moe.ops import Linear, apply_rotary, build_norm, fused_linear
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
+from lit_moe.ops.sdpa import sdpa
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,9 +130,8 @@ class CoreAttention(nn.Module):
         if self.use_flash_attention and allowed is None and dropout == 0.0 and use_block_causal(q):
             # plain causal on a CPU: skip the masked half and stay in the GEMM dtype (ops/attention.py)
             return block_causal_attention(q, k, v, self.scale, self.softmax_dtype)
-        if self.use_flash_attention:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                                  is_causal=allowed is None, scale=self.scale)
+        if self.use_flash_attention:   # fused SDPA; on CUDA cuDNN -> flash -> memory-efficient (ops/sdpa.py)
+            return sdpa(q, k, v, allowed, dropout, self.scale)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(self.softmax_dtype) * self.scale
         if allowed is None:
             S = q.shape[-2]
