@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_moe.model.compile import in_backward
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.ops import GatedActivation, Linear, fused_linear
 
@@ -27,11 +28,6 @@ from lit_moe.ops import GatedActivation, Linear, fused_linear
 def _activation(config: DeepseekV3Config) -> GatedActivation:
     return GatedActivation(config.hidden_act, config.gelu_approximate, config.silu_inplace,
                            config.use_fused_swiglu)
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (activation recompute re-runs forward inside backward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,6 +222,7 @@ class _ContiguousGrad(torch.autograd.Function):
 _GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
 
 
+@torch.compiler.assume_constant_result   # probed eagerly, a constant of compiled graphs (no graph break)
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` (forward and backward) works for this device type and dtype; probed once."""
     key = (device.type, dtype)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
-from lit_moe.model.compile import compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.model.mtp import MTPLayer
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.torch_compile = config.torch_compile
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        if self.torch_compile:
+        if compile_enabled(self.torch_compile, x.device):
             return compiled(DecoderLayer._forward)(self, x, ctx)
         return self._forward(x, ctx)
 
@@ -210,8 +210,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
         if labels is not None and self._fused_loss():
-            h = self.norm(h)
-            logits, loss = None, self.lm_head(h, labels, mask)
+            h, loss = self._maybe_compiled(DeepseekV3ForCausalLM._fused_head)(self, h, labels, mask)
+            logits = None
         else:
             h, logits, loss = self._maybe_compiled(DeepseekV3ForCausalLM._head)(self, h, labels, mask)
         out = CausalLMOutput(logits=logits, loss=loss)
@@ -237,7 +237,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
-                total = total + self.lm_head(hidden, lab, msk)
+                total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_fused_loss)(self, hidden, lab, msk)
             else:
                 total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
@@ -250,6 +250,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         loss = self.loss_function(logits, labels, mask) if labels is not None else None
         return h, logits, loss
 
+    def _fused_head(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and the fused linear + cross-entropy (training): (normed h, loss)."""
+        h = self.norm(h)
+        return h, self.lm_head(h, labels, mask)
+
+    def _mtp_fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden, labels, mask)
+
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.loss_function(self.lm_head(hidden).float(), labels, mask)
 
@@ -261,8 +270,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
         # vocabulary-parallel loss with collectives inside. (Training forwards of that default form
-        # take the fused head instead, so this compiles forwards without gradient.)
-        if self.config.torch_compile and self.loss_function is masked_cross_entropy:
+        # compile the fused head, the others the plain norm + head + loss.)
+        if (compile_enabled(self.config.torch_compile, self.lm_head.weight.device)
+                and self.loss_function is masked_cross_entropy):
             return compiled(fn)
         return fn
 
