@@ -23,6 +23,7 @@ SECTIONS = [
     ("parallelism", "lit_moe.config:ParallelismConfig"),
     ("recompute", "lit_moe.config:RecomputeConfig"),
     ("recompute_comm", "lit_moe.config:RecomputeCommConfig"),
+    ("swap", "lit_moe.config:SwapConfig"),
     ("train_dataset", "lit_moe.config:TrainDatasetConfig"),
     ("train_dataset.dataloader.config", "lit_moe.data.gpt:GPTDatasetConfig"),
     ("monitor", "lit_moe.config:MonitorConfig"),
@@ -93,16 +94,47 @@ def _table(section: str, cls) -> list[str]:
     return rows
 
 
+def _no_effect_table() -> list[str]:
+    from lit_moe.config import NO_EFFECT_KEYS
+
+    rows = ["#### Keys accepted without effect", "",
+            "MindFormers keys (and Hugging Face `config.json` bookkeeping keys) that load but change nothing "
+            "here, and why. This is the one list the code reads (`lit_moe.config.NO_EFFECT_KEYS`).", "",
+            "| key | why it has no effect |", "|---|---|"]
+    rows += [f"| `{key}` | {why.replace('|', chr(92) + '|')} |" for key, why in NO_EFFECT_KEYS.items()]
+    return rows + [""]
+
+
 def render() -> str:
     sys.path.insert(0, str(ROOT))
     out = ["## Configuration reference", "",
            "Every key of every section, generated from the config dataclasses (`python docs/make_readme.py`). "
-           "Fixed sections reject unknown keys; `model`, `optimizer`, `lr_scheduler` and "
-           "`train_dataset.dataloader` accept extra keys, as in MindFormers. The `optimizer` and "
-           "`lr_scheduler` keys are listed in their own section below. `trainer:` (any `lightning.Trainer` "
-           "argument) is an expert escape hatch; what you set there wins over lit_moe's defaults.", ""]
+           "Every key of MindFormers' PyNative config classes loads: it is implemented with MindFormers' "
+           "meaning, refused with a one-line \"not implemented yet\" error when its value needs an engine "
+           "lit_moe does not have, or listed under [Keys accepted without effect](#keys-accepted-without-effect) "
+           "with the reason. Unknown keys are errors with a did-you-mean suggestion, in every section "
+           "(`model` takes its fields, their MindFormers / Hugging Face aliases and the keys accepted without "
+           "effect; `optimizer`, `lr_scheduler` and `train_dataset.dataloader` are checked by their "
+           "consumers). The `optimizer` and `lr_scheduler` keys are listed in their own section below. "
+           "`trainer:` (any `lightning.Trainer` argument) is an expert escape hatch; what you set there wins "
+           "over lit_moe's defaults.", "",
+           "Reading the file: a key given twice in one mapping is an error naming both lines; aliases may not "
+           "expand the document beyond a million values (alias bombs are refused at once); the file must be "
+           "UTF-8 text. `--SECTION.KEY VALUE` (for `fit` and `plan`) changes one key at any depth and keeps "
+           "its siblings, VALUE read as YAML (`true`, `[0-3]`, `{k: v}`; `1e-5` is a float); several "
+           "`--config` files merge the same way. `--print_config` prints the resolved configuration (every "
+           "fixed section with its defaults, only the `trainer` keys you set): loaded again it is the same "
+           "run. Before anything is allocated, `fit` compares each rank's parameters, gradients and optimizer "
+           "state (the bytes `lit_moe plan` prints) with one device's memory (on a CPU: the available RAM "
+           "shared by this machine's processes) and refuses, in one line with both numbers, a model that "
+           "cannot fit.", "",
+           "Top-level keys besides the sections: `callbacks` (user callbacks), `gradient_accumulation_steps` "
+           "(graph mode's option, translated into `training.global_batch_size`), MindFormers' `lora_config` "
+           "and `eval_dataset` (parsed; a non-null value is refused: not implemented yet) and "
+           "`use_remove_redundant_dataset` (accepted without effect).", ""]
     for section, path in SECTIONS:
         out += _table(section, _load(path))
+    out += _no_effect_table()
     for topic in TOPICS:
         page = ROOT / "docs" / topic
         if page.exists():

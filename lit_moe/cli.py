@@ -4,7 +4,8 @@
 ``optimizer``, ``lr_scheduler``, ``parallelism``, ``recompute``, ``recompute_comm``, ``train_dataset``,
 ``model``, ``monitor``, ``callbacks``, ``profiler``, ``context``; ``trainer:`` is an expert escape hatch),
 validates everything before anything large is allocated, then builds the LightningModule, the DataModule,
-the strategy and the callbacks and runs ``Trainer.fit``.
+the strategy and the callbacks and runs ``Trainer.fit``. The files and the ``--SECTION.KEY VALUE``
+overrides are merged by :mod:`lit_moe.config_file` into one mapping, which LightningCLI then parses.
 
 The other subcommands (``plan``, ``preprocess``, ``convert-config``, ``convert-hf``) are plain argparse
 programs living next to the code they drive.
@@ -12,7 +13,6 @@ programs living next to the code they drive.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -21,6 +21,8 @@ from typing import Any, Optional
 from lightning.pytorch.cli import LightningCLI
 
 from lit_moe.config import (
+    FIXED_SECTIONS,
+    OPEN_SECTIONS,
     CheckpointConfig,
     ConfigError,
     ContextConfig,
@@ -29,8 +31,11 @@ from lit_moe.config import (
     ProfilerConfig,
     RecomputeCommConfig,
     RecomputeConfig,
+    SwapConfig,
     TrainDatasetConfig,
     TrainingConfig,
+    section_defaults,
+    suggest,
     to_dict,
 )
 
@@ -41,22 +46,6 @@ TOOLS = {
     "convert-config": "lit_moe.convert_config",
     "convert-hf": "lit_moe.checkpoint.convert_hf",
 }
-
-# Sections with fixed keys (unknown keys are errors) and their dataclasses.
-FIXED_SECTIONS = {
-    "checkpoint": CheckpointConfig,
-    "training": TrainingConfig,
-    "parallelism": ParallelismConfig,
-    "recompute": RecomputeConfig,
-    "recompute_comm": RecomputeCommConfig,
-    "train_dataset": TrainDatasetConfig,
-    "monitor": MonitorConfig,
-    "profiler": ProfilerConfig,
-    "context": ContextConfig,
-}
-# Sections that accept extra keys (MindFormers ``allow_extra``): kept as dicts, validated by consumers.
-OPEN_SECTIONS = ("model", "optimizer", "lr_scheduler")
-
 
 def world_size_from(trainer_cfg: dict) -> int:
     """The number of processes the run will have, known before any of them starts."""
@@ -117,6 +106,11 @@ class LitMoECLI(LightningCLI):
                             help="User callbacks: a list of {class_path, init_args}.")
         parser.add_argument("--gradient_accumulation_steps", type=Optional[int], default=None,
                             help="Graph-mode option: translated into training.global_batch_size.")
+        for name in ("lora_config", "eval_dataset"):
+            parser.add_argument(f"--{name}", type=Optional[dict[str, Any]], default=None,
+                                help=f"MindFormers' `{name}` section (not implemented yet: must be null).")
+        parser.add_argument("--use_remove_redundant_dataset", type=bool, default=False,
+                            help="MindFormers top-level key; accepted, no effect.")
 
     def _add_instantiators(self) -> None:  # no class_path model/data to instantiate
         pass
@@ -269,13 +263,16 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.model import DeepseekV3Config
     from lit_moe.module import LitMoE
     from lit_moe.schedules import build_lr_lambda
+    from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
+    from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
 
     run = Run(cfg)
     training: TrainingConfig = _as_dataclass(cfg.get("training"), TrainingConfig)
     parallelism: ParallelismConfig = _as_dataclass(cfg.get("parallelism"), ParallelismConfig)
     recompute: RecomputeConfig = _as_dataclass(cfg.get("recompute"), RecomputeConfig)
     recompute_comm: RecomputeCommConfig = _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig)
+    swap: SwapConfig = _as_dataclass(cfg.get("swap"), SwapConfig)
     checkpoint: CheckpointConfig = _as_dataclass(cfg.get("checkpoint"), CheckpointConfig)
     train_dataset: TrainDatasetConfig = _as_dataclass(cfg.get("train_dataset"), TrainDatasetConfig)
     monitor: MonitorConfig = cfg.get("monitor")
@@ -298,10 +295,14 @@ def build_run(cfg: Any) -> Run:
         dl_config["vocab_size"] = model_config.vocab_size
 
     world_size = world_size_from(trainer_section)
+    check_parallelism_keys(parallelism)
     dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
                         tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
                         pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
     dims.validate_model(model_config, seq_length)
+    check_parallel_layout(parallelism, dims, model_config)
+    check_rampup_batch_size(training, dims.dp)
+    check_not_yet_sections(swap, recompute, cfg)
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
         from lit_moe.convert_config import global_batch_from_accumulation
@@ -324,6 +325,15 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.checkpoint import build_checkpoint_callback, resolve_load
 
     load = resolve_load(checkpoint, model_config)
+    from lit_moe.strategies.plan import check_fits
+
+    accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    nodes = int(trainer_section.get("num_nodes", 1) or 1)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
+    check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
+               local_processes)
 
     # Everything is valid: seed and build.
     pl.seed_everything(training.seed, workers=True, verbose=False)
@@ -417,29 +427,30 @@ def _explicit_trainer_keys() -> list[str]:
     return list(_EXPLICIT_TRAINER_KEYS)
 
 
-def _record_explicit_trainer_keys(argv: list[str]) -> None:
-    """Remember which Trainer arguments the user set (in the YAML ``trainer:`` block or ``--trainer.x``),
-    so that our defaults (max_steps from training.steps, our strategy, …) yield only to those."""
-    import yaml
+def _remember_run_config(cfg: dict, config_paths: list[str]) -> None:
+    """Which Trainer arguments the user set (so that our defaults — max_steps from training.steps, our
+    strategy, ... — yield only to those), and the directory of the first ``--config`` file."""
+    trainer = cfg.get("trainer")
+    _EXPLICIT_TRAINER_KEYS[:] = sorted(trainer) if isinstance(trainer, dict) else []
+    _CONFIG_DIR[:] = [os.path.dirname(os.path.abspath(config_paths[0]))] if config_paths else []
 
-    keys: set[str] = set()
-    _CONFIG_DIR[:] = []
-    for i, a in enumerate(argv):
-        if a.startswith("--trainer."):
-            keys.add(a[len("--trainer."):].split("=", 1)[0].split(".", 1)[0])
-        if a in ("--config", "-c") and i + 1 < len(argv):
-            path = argv[i + 1]
-            _CONFIG_DIR[:] = [os.path.dirname(os.path.abspath(path))]
-            try:
-                with open(path) as f:
-                    data = yaml.safe_load(f) or {}
-            except OSError:
-                continue  # the parser reports the missing file
-            except yaml.YAMLError:
-                continue
-            if isinstance(data, dict) and isinstance(data.get("trainer"), dict):
-                keys.update(data["trainer"].keys())
-    _EXPLICIT_TRAINER_KEYS[:] = sorted(keys)
+
+def printable_config(cfg: dict) -> dict:
+    """The run's configuration as ``--print_config`` prints it: every fixed section with its defaults
+    filled in, the open sections as written, and only the ``trainer`` keys the user set (Lightning's
+    defaults, such as ``max_steps: -1``, would override ``training.steps`` when the output is loaded
+    again)."""
+    from lit_moe.config import OTHER_TOP_LEVEL
+
+    out: dict = {}
+    for name, cls in FIXED_SECTIONS.items():
+        out[name] = section_defaults(cls, cfg.get(name))
+    for name in OPEN_SECTIONS:
+        out[name] = cfg.get(name) or {}
+    for name in OTHER_TOP_LEVEL:
+        if cfg.get(name) is not None:
+            out[name] = cfg[name]
+    return out
 
 
 def _one_line(message: str) -> str:
@@ -447,23 +458,64 @@ def _one_line(message: str) -> str:
     return " ".join(lines[:3]) if lines else "invalid configuration"
 
 
+SUBCOMMANDS = {
+    "fit": "train from a pynative.yaml (lit_moe fit --config FILE [--SECTION.KEY VALUE ...] [--print_config])",
+    "plan": "check a parallel layout and print per-rank memory, without devices (lit_moe plan --config FILE -n N)",
+    "preprocess": "tokenize JSONL/text into a Megatron .bin/.idx dataset",
+    "convert-config": "convert a MindFormers graph-mode graph.yaml into a pynative.yaml",
+    "convert-hf": "export a lit_moe checkpoint to the Hugging Face layout",
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: lit_moe SUBCOMMAND [options]   (lit_moe SUBCOMMAND --help for its options)", "",
+             "subcommands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(args: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] in TOOLS:
-        tool = importlib.import_module(TOOLS[argv[0]])
-        return int(tool.main(argv[1:]) or 0)
-    _record_explicit_trainer_keys(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] in TOOLS:
+        from lit_moe.tool_errors import run_tool
+
+        return run_tool(argv[0], TOOLS[argv[0]], argv[1:])
+    if argv[0] != "fit":
+        print(f"lit_moe: error: unknown subcommand {argv[0]!r}{suggest(argv[0], SUBCOMMANDS)}; subcommands: "
+              + ", ".join(SUBCOMMANDS), file=sys.stderr)
+        return 2
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        try:
+            LitMoECLI(args=["fit", "--help"])
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        return 0
     from jsonargparse import ArgumentError
 
     from lit_moe.callbacks import SkipLimitExceeded
+    from lit_moe.config_file import load_run_config
 
     import warnings
 
     try:
+        cfg, rest, config_paths = load_run_config(argv[1:])
+        if any(a.partition("=")[0] == "--print_config" for a in rest):
+            import yaml
+
+            sys.stdout.write(yaml.safe_dump(printable_config(cfg), sort_keys=False))
+            return 0
+        rest = [a for a in rest if a.partition("=")[0] != "--print_config"]
+        if rest:
+            raise ConfigError(f"unexpected argument {rest[0]!r}; options are --config FILE and --SECTION.KEY VALUE")
+        _remember_run_config(cfg, config_paths)
         with warnings.catch_warnings():
             # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
-            LitMoECLI(args=argv)
+            LitMoECLI(args={"subcommand": "fit", "fit": cfg})
     except (ConfigError, ArgumentError) as err:
         print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
         return 2

@@ -1,9 +1,15 @@
 """The sections of a MindFormers ``pynative.yaml``, as dataclasses whose field docstrings are the docs.
 
-Fixed sections (``checkpoint``, ``training``, ``parallelism``, ``recompute``, ``recompute_comm``,
-``train_dataset``, ``monitor``, ``profiler``, ``context``) reject unknown keys. ``model``,
+Every key of MindFormers' PyNative config classes is a field here: implemented with MindFormers'
+meaning, refused with a one-line "not yet" error when its value needs an engine lit_moe lacks, or
+accepted without effect and listed, with the reason, in :data:`NO_EFFECT_KEYS` (the one list; the
+README's table and the ``model`` section read it).
+
+Fixed sections (``FIXED_SECTIONS``) reject unknown keys with a did-you-mean suggestion.
 ``optimizer``, ``lr_scheduler`` and ``train_dataset.dataloader`` accept extra keys, as in MindFormers
-(``allow_extra``), and are kept as plain dicts here; their consumers validate them.
+(``allow_extra``), and are kept as plain dicts; their consumers validate them. ``model`` is read by
+``lit_moe.model.DeepseekV3Config``, which refuses keys it does not know. Reading YAML files and
+command-line overrides lives in :mod:`lit_moe.config_file`.
 
 Every validation error is a :class:`ConfigError` whose message names the field (``section.key``)
 and the offending value; the CLI prints it as one line and exits with code 2.
@@ -56,6 +62,10 @@ class CheckpointConfig:
     everything (weights, optimizer, schedule, step, expert biases, RNG, data position)."""
     load_worker_number: int = 1
     """Reader threads per rank when loading."""
+    save_global_layout_cache: bool = True
+    """Accepted, no effect (see "Keys accepted without effect")."""
+    reshard_worker_num: int = 1
+    """Accepted, no effect (see "Keys accepted without effect")."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,6 +87,10 @@ class TrainingConfig:
     """Seeds Python, NumPy and torch RNGs on every rank, and the data workers."""
     deterministic: bool = False
     """Use deterministic algorithms: two runs give bitwise identical losses on CPU."""
+    rampup_batch_size: Optional[list] = None
+    """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. Validated with
+    MindFormers' rules (three positive ints, levels divisible by ``data_parallel * local_batch_size``),
+    then refused: ramp-up is not implemented yet. null: ``global_batch_size`` throughout."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,19 +103,82 @@ class ParallelismConfig:
     ``dp_replicate = data_parallel // N`` replicas of N-way shards."""
     data_parallel_shard_strategy: str = "optim_grads_params"
     """``optim_grads_params`` (ZeRO-3: parameters resharded after forward) or ``optim_grads``
-    (ZeRO-2: gathered parameters kept between forward and backward)."""
+    (ZeRO-2: gathered parameters kept between forward and backward). An explicit
+    ``reshard_after_forward_policy`` (``always``/``never``) takes precedence."""
+    reshard_after_forward_policy: str = "default"
+    """FSDP ``reshard_after_forward`` (MindFormers): ``always`` (reshard: ZeRO-3), ``never`` (keep the
+    gathered parameters until backward: ZeRO-2), ``default`` (follow ``data_parallel_shard_strategy``,
+    whose default is ZeRO-3, MindFormers' ``default`` without pipeline parallelism)."""
+    cpu_offload: bool = False
+    """FSDP CPU offload of parameters, gradients and optimizer state: not implemented yet (True is an
+    error)."""
+    disable_gradient_division: bool = True
+    """True (MindFormers' default): gradients are summed over data/context-parallel ranks and the loss
+    carries ``1/data_parallel`` (per context-parallel rank), so the update uses the mean gradient. False:
+    MindFormers' FSDP mean on top of that, i.e. every gradient is divided once more by the size of its
+    FSDP reduce group (``data_parallel * context_parallel`` for dense weights, ``dp_replicate * efsdp``
+    for routed experts). No effect on one process (no FSDP)."""
+    dense_fsdp_shard_size: Optional[int] = None
+    """Shard dense weights over only k of the ``dp_shard * cp`` ranks (MindFormers). Validated (k in
+    [1, F] dividing F = dp_shard * cp), then refused: not implemented yet. null: shard over all."""
     tensor_parallel: int = 1
     """Tensor-parallel degree (with sequence parallelism) for attention, dense MLP, shared experts,
     embedding and head."""
+    sequence_parallel: Optional[bool] = None
+    """Sequence parallelism between tensor-parallel layers. lit_moe always uses it with
+    ``tensor_parallel > 1``; null or true mean that; false with ``tensor_parallel > 1`` is MindFormers'
+    error."""
     context_parallel: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
+    context_parallel_method: str = "colossal"
+    """``colossal`` (contiguous sequence chunks, keys/values gathered over the context-parallel group:
+    what lit_moe implements), ``ulysses`` or ``hybrid`` (validated with MindFormers' rules; not yet
+    implemented when ``context_parallel > 1``)."""
+    context_parallel_async: bool = False
+    """Asynchronous context-parallel communication; with ``context_parallel > 1`` MindFormers allows it
+    only with ``ulysses`` and ``hybrid`` (its error otherwise)."""
+    ulysses_degree_in_cp: Optional[int] = None
+    """Ulysses degree inside the context-parallel group: ``ulysses`` needs it equal to
+    ``context_parallel`` (or null), ``hybrid`` needs ``1 < u < context_parallel`` dividing it."""
+    context_parallel_mask_type: str = "causal"
+    """Only ``causal`` (MindFormers' only value)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel degree. Only 1 is supported for now."""
+    pipeline_parallel_schedule: str = "1f1b"
+    """``1f1b``, ``interleaved_1f1b`` or ``gpipe`` (``1f1b`` becomes ``interleaved_1f1b`` with
+    ``pipeline_parallel_interleave_num > 1``, as in MindFormers). Used when ``pipeline_parallel > 1``."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Accepted, no effect (see "Keys accepted without effect")."""
+    pipeline_parallel_interleave_num: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; >= 1."""
+    pipeline_parallel_layers_per_stage: Optional[Union[str, list]] = None
+    """Decoder layers of each pipeline stage: null or ``auto`` (equal split; the layer count must divide
+    ``pipeline_parallel * pipeline_parallel_interleave_num``) or one string per stage of
+    ``interleave_num`` comma-separated ``"a-b"`` ranges, or a list of layer-id lists."""
+    pipeline_parallel_overlap_p2p: bool = False
+    """Pipeline schedule option (overlap send/receive with compute). Used when ``pipeline_parallel > 1``."""
+    pipeline_parallel_overlap_b_f: bool = False
+    """Pipeline schedule option (overlap one micro-batch's backward with the next forward)."""
+    pipeline_parallel_enable_dxdw_split: bool = False
+    """Pipeline schedule option (split input- and weight-gradient computation)."""
+    pipeline_parallel_p2p_transport: str = "plain"
+    """Pipeline send/receive implementation: ``plain`` or ``auto``."""
+    enable_mc2: bool = False
+    """Accepted, no effect (see "Keys accepted without effect")."""
+    enable_loss_parallel: bool = False
+    """Accepted, no effect (see "Keys accepted without effect")."""
     expert_parallel: int = 1
     """Expert-parallel degree; must divide ``data_parallel_shard * context_parallel * tensor_parallel``
     and ``n_routed_experts``. Experts borrow ranks from those dimensions (world size is unchanged)."""
+    npu_nums_per_device: int = 8
+    """Accepted, no effect (see "Keys accepted without effect")."""
     moe_token_dispatcher_type: str = "alltoall"
-    """How tokens reach their experts under expert parallelism: ``alltoall`` or ``allgather``."""
+    """How tokens reach their experts under expert parallelism: ``alltoall`` or ``allgather``
+    (MindFormers' ``alltoall_deredundancy`` is validated with its rule, then refused)."""
+    expert_parallel_async_d2h: bool = False
+    """Accepted, no effect (see "Keys accepted without effect")."""
+    expert_parallel_use_safe_tokens: bool = True
+    """Accepted, no effect (see "Keys accepted without effect")."""
     gradient_sync_every_microbatch: bool = True
     """True: reduce-scatter gradients after every micro-batch (least memory). False: accumulate
     unsharded gradients locally and synchronise once per optimizer step (less communication)."""
@@ -126,6 +203,9 @@ class RecomputeConfig:
     select_module: Optional[dict[str, list[LayerSpec]]] = None
     """``{regex: layer specs}``: dotted module paths inside those layers that fully match the regex
     are recomputed (a child is dropped when its parent is selected)."""
+    exclude_op: Optional[list[str]] = None
+    """Op names whose outputs MindFormers saves instead of recomputing: validated (non-empty strings),
+    then refused when non-empty: not implemented yet."""
 
 
 @dataclass
@@ -134,6 +214,18 @@ class RecomputeCommConfig:
     """Recompute the outputs of matched communication steps in backward instead of keeping them."""
     select_module: Optional[dict[str, list[LayerSpec]]] = None
     """``{regex: layer specs}`` naming communication steps, e.g. ``'mlp.router.all_gather': [0-3]``."""
+
+
+@dataclass
+class SwapConfig:
+    enable: bool = False
+    """Swap activations to host memory (MindFormers ``swap``): not implemented yet (true is an error)."""
+    default_prefetch: int = 1
+    """Layers prefetched ahead when swapping; in [1, layers - 1]."""
+    layer_swap: Optional[Any] = None
+    """Layers whose activations are swapped (``[{layers: [...]}]``)."""
+    op_swap: Optional[Any] = None
+    """Ops whose outputs are swapped (``[{op_name: regex, layers: [...]}]``)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +245,8 @@ class TrainDatasetConfig:
     """Batches prefetched per worker."""
     numa_enable: bool = False
     """Bind data workers to the NUMA node of the rank's device (best effort, Linux only)."""
+    use_distribute_dataset: bool = False
+    """Accepted, no effect (see "Keys accepted without effect")."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,6 +326,10 @@ class ProfilerConfig:
     """Record Python stacks."""
     profile_cpu: bool = True
     """Record CPU activity."""
+    profiler_level: int = 0
+    """Accepted, no effect (see "Keys accepted without effect")."""
+    mstx: bool = False
+    """Accepted, no effect (see "Keys accepted without effect")."""
 
 
 @dataclass
@@ -246,13 +344,169 @@ class AffinityConfig:
 @dataclass
 class ContextConfig:
     mode: int = 1
-    """Accepted for compatibility (1 = PyNative)."""
+    """Accepted, no effect (see "Keys accepted without effect")."""
     device_target: Optional[str] = None
     """Accelerator: ``cpu``, ``cuda``/``gpu``, ``npu``/``Ascend``; None picks the best available."""
     max_device_memory: Optional[str] = None
-    """Accepted for compatibility; not enforced."""
+    """Accepted, no effect (see "Keys accepted without effect")."""
     affinity_config: AffinityConfig = field(default_factory=AffinityConfig)
     """CPU affinity of each rank's processes."""
+
+
+# ----------------------------------------------------------------------------------------------
+# keys accepted without effect: the one list (the README's table and the model section read it)
+# ----------------------------------------------------------------------------------------------
+NO_EFFECT_KEYS: dict[str, str] = {
+    "checkpoint.save_global_layout_cache":
+        "MindFormers caches the sharded-tensor layout between saves to save time; lit_moe writes the "
+        "layout with every save and the files are the same either way",
+    "checkpoint.reshard_worker_num":
+        "threads of MindFormers' Hugging Face loader; lit_moe reads Hugging Face directories on the "
+        "main thread (load_worker_number sets the reader threads of its own checkpoints)",
+    "parallelism.pipeline_parallel_microbatch_size":
+        "MindFormers overwrites it with the accumulation steps (global_batch_size // (data_parallel * "
+        "local_batch_size)); the number of micro-batches comes from those keys here too",
+    "parallelism.enable_mc2":
+        "Ascend's fused matmul + communication kernels for tensor parallelism; the result is the same "
+        "without them",
+    "parallelism.enable_loss_parallel":
+        "parsed but never read by MindFormers PyNative; the head's cross-entropy is exact either way",
+    "parallelism.npu_nums_per_device":
+        "read only by moe_token_dispatcher_type alltoall_deredundancy, which is checked with MindFormers' "
+        "rule and then refused (not implemented)",
+    "parallelism.expert_parallel_async_d2h":
+        "overlaps MindFormers' device-to-host copy of the per-expert token counts; timing only",
+    "parallelism.expert_parallel_use_safe_tokens":
+        "MindFormers prepends one zero-valued, zero-probability token per expert so that no expert "
+        "gets zero rows (a kernel requirement); it changes no output or gradient, and lit_moe's expert "
+        "kernels take empty experts",
+    "train_dataset.use_distribute_dataset":
+        "MindFormers reads a tensor/context-parallel group's batch on one rank and broadcasts it; "
+        "lit_moe's ranks of such a group read the same samples themselves, so every rank gets the same "
+        "batch either way",
+    "profiler.profiler_level":
+        "MindSpore profiler detail level; torch.profiler has no levels (with_stack, profile_memory and "
+        "profile_cpu choose what is recorded)",
+    "profiler.mstx":
+        "MindSpore Tools Extension range markers (Ascend); the trace records lit_moe's steps itself",
+    "context.mode":
+        "MindSpore execution mode (1 = PyNative); lit_moe always runs eagerly, which is PyNative",
+    "context.max_device_memory":
+        "MindSpore's memory-pool cap; PyTorch's allocator has no such cap (lit_moe refuses a model "
+        "whose parameters, gradients and optimizer state cannot fit before allocating it)",
+    "use_remove_redundant_dataset":
+        "top-level MindFormers key; its PyNative trainer falls back to normal iteration, as lit_moe does",
+    "model.mla_qkv_concat":
+        "a MindFormers weight layout (q/kv down-projections in one matrix); the projections are kept "
+        "separate here, which computes the same function",
+    "model.topk_method":
+        "Hugging Face's name of the routing method; routing is defined by n_group, topk_group, "
+        "scoring_func and moe_router_enable_expert_bias",
+    "model.num_key_value_heads":
+        "MLA has no key/value head groups (Hugging Face's DeepSeek-V3 configs carry 128 whatever the head "
+        "count; MindFormers passes it on as num_query_groups, unused by MLA)",
+    "model.use_attn_mask_compression":
+        "chooses the compressed attention-mask input of Ascend's flash-attention kernel; lit_moe builds "
+        "its causal mask inside attention",
+    "model.moe_router_fusion":
+        "Ascend's fused router kernel; same scores and routing",
+    "model.moe_permute_fusion":
+        "Ascend's fused token-permute kernel; same permutation",
+    "model.transformers_version": "Hugging Face config.json bookkeeping",
+    "model.torch_dtype": "Hugging Face config.json: the dtype the checkpoint was saved in (params_dtype "
+                         "and compute_dtype set the training dtypes)",
+    "model.dtype": "Hugging Face config.json (transformers v5 spelling of torch_dtype)",
+    "model.auto_map": "Hugging Face config.json: remote-code class names",
+    "model.use_cache": "Hugging Face: key/value cache for generation; training does not generate",
+    "model.pretraining_tp": "Hugging Face config.json; no effect in DeepSeek-V3",
+    "model.output_router_logits": "Hugging Face: return router logits from forward",
+    "model.ep_size": "DeepSeek's original config.json; parallelism.expert_parallel sets expert parallelism",
+    "model.seq_aux": "DeepSeek's original config.json: sequence-wise aux loss, set by "
+                     "moe_router_load_balancing_type",
+    "model._name_or_path": "Hugging Face config.json bookkeeping",
+    "model.rope_interleave": "Hugging Face DeepSeek-V3: rotary pairs de-interleaved, which lit_moe always does",
+    "model.lit_moe": "lit_moe's own bookkeeping in exported config.json files",
+    "model.return_dict": "Hugging Face forward-output option",
+    "model.output_hidden_states": "Hugging Face forward-output option",
+    "model.output_attentions": "Hugging Face forward-output option",
+    "model.use_return_dict": "Hugging Face forward-output option",
+    "model.head_dim": "Hugging Face config.json (qk_rope_head_dim); derived here",
+    "model.chunk_size_feed_forward": "Hugging Face PretrainedConfig attribute; unused by DeepSeek-V3",
+    "model.id2label": "Hugging Face PretrainedConfig attribute (classification heads)",
+    "model.label2id": "Hugging Face PretrainedConfig attribute (classification heads)",
+    "model.is_encoder_decoder": "Hugging Face PretrainedConfig attribute; DeepSeek-V3 is decoder-only",
+    "model.problem_type": "Hugging Face PretrainedConfig attribute (classification heads)",
+}
+
+
+def suggest(name: str, candidates: Any) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``candidates``, or an empty string."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def not_yet(field: str, value: Any, what: str, remedy: str) -> ConfigError:
+    """The one-line error of a key whose value needs something lit_moe does not implement yet."""
+    return ConfigError(f"{field}: {value!r} needs {what}, which lit_moe does not implement yet; {remedy}")
+
+
+def check_rampup_batch_size(t: TrainingConfig, data_parallel: int) -> None:
+    """MindFormers' rules for ``training.rampup_batch_size`` (§2.9), then refused: not implemented."""
+    value = t.rampup_batch_size
+    if value is None:
+        return
+    name = "training.rampup_batch_size"
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ConfigError(f"{name}: must be a list of 3 integers [start, increment, rampup_samples], got {value!r}")
+    for i, (v, lo) in enumerate(zip(value, (1, 1, 0))):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}[{i}]: must be an integer, got {v!r}")
+        if v < lo:
+            raise ConfigError(f"{name}[{i}]: must be {'> 0' if lo else '>= 0'}, got {v}")
+    start, inc, _ = value
+    base = data_parallel * t.local_batch_size
+    top = t.global_batch_size
+    if start > top:
+        raise ConfigError(f"{name}[0]: start {start} exceeds training.global_batch_size {top} (the final size)")
+    if (top - start) % inc:
+        raise ConfigError(f"{name}[1]: global_batch_size {top} - start {start} is not a multiple of increment {inc}")
+    for level in range(start, top + 1, inc):
+        if level % base:
+            raise ConfigError(f"{name}: batch size {level} is not divisible by data_parallel({data_parallel}) * "
+                              f"local_batch_size({t.local_batch_size}) = {base}")
+    raise not_yet(name, list(value), "a global batch size that grows during training",
+                  f"remove the key (or set it to null) to train with global_batch_size {top} from the first step")
+
+
+def check_not_yet_sections(swap: "SwapConfig", recompute: RecomputeConfig, top: dict[str, Any]) -> None:
+    """Keys whose non-default values need engines lit_moe does not have yet: one line each."""
+    if not isinstance(swap.default_prefetch, int) or isinstance(swap.default_prefetch, bool) \
+            or swap.default_prefetch < 1:
+        raise ConfigError(f"swap.default_prefetch: must be an integer >= 1, got {swap.default_prefetch!r}")
+    if swap.enable:
+        raise not_yet("swap.enable", True, "activation swapping to host memory",
+                      "set swap.enable: false, or use recompute to save activation memory")
+    ops = recompute.exclude_op
+    if ops is not None:
+        if not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) and o.strip() for o in ops):
+            raise ConfigError(f"recompute.exclude_op: must be a list of non-empty op-name strings, got {ops!r}")
+        if ops:
+            raise not_yet("recompute.exclude_op", list(ops), "saving chosen ops' outputs inside recomputed "
+                          "layers", "remove the key, or select modules with recompute.select_module")
+    for key, what in (("lora_config", "LoRA adapters"), ("eval_dataset", "evaluation during training")):
+        value = top.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of keys or null, got {value!r}")
+        if key == "lora_config" and not value.get("target_modules"):
+            raise ConfigError("lora_config.target_modules: required (a regex of the linear layers to adapt)")
+        raise not_yet(key, "{...}", what, f"remove the {key} section (or set it to null)")
+    flag = top.get("use_remove_redundant_dataset", False)
+    if not isinstance(flag, bool):
+        raise ConfigError(f"use_remove_redundant_dataset: expected true or false, got {flag!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,25 +558,6 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def load_yaml(path: str, field: str = "--config") -> dict:
-    """Read a YAML file holding a mapping (a pynative.yaml or graph.yaml). Unreadable files, invalid YAML
-    and non-mappings are one-line :class:`ConfigError`s naming ``field`` and the file."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as err:
-        raise ConfigError(f"{field}: cannot read {path!r} ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{field}: {path!r} is not valid YAML ({' '.join(str(err).split())})") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{field}: {path!r} does not hold a mapping of sections")
-    return data
-
-
 def parse_number(value: Any, field: str) -> float:
     """A finite float from a config value: ints accepted, bools not, and a numeric string such as
     ``"1e-5"`` (what PyYAML makes of an exponent without a dot) read as the number it spells."""
@@ -335,3 +570,91 @@ def parse_number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{field}: expected a finite number, got {raw!r}")
     return float(value)
+
+
+def build_section(cls: type, value: Any, where: str) -> Any:
+    """``cls`` built from a YAML mapping: unknown keys are errors with a did-you-mean suggestion, nested
+    dataclass fields are built the same way, null (a section whose keys are all commented out) means
+    the defaults."""
+    if value is None:
+        return cls()
+    if dataclasses.is_dataclass(value):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, item in value.items():
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}: unknown key{suggest(str(key), fields)}; known keys: "
+                              + ", ".join(fields))
+        f = fields[key]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            item = build_section(type(default), item, f"{where}.{key}")
+        kwargs[key] = item
+    return cls(**kwargs)
+
+
+def section_defaults(cls: type, value: Any) -> dict:
+    """A section as plain data with every default filled in (what ``--print_config`` prints)."""
+    return to_dict(build_section(cls, value, cls.__name__))
+
+
+# ----------------------------------------------------------------------------------------------
+# the top level of a pynative.yaml
+# ----------------------------------------------------------------------------------------------
+# Sections with fixed keys (unknown keys are errors) and their dataclasses, in print order.
+FIXED_SECTIONS: dict[str, type] = {
+    "checkpoint": CheckpointConfig,
+    "training": TrainingConfig,
+    "parallelism": ParallelismConfig,
+    "recompute": RecomputeConfig,
+    "recompute_comm": RecomputeCommConfig,
+    "swap": SwapConfig,
+    "train_dataset": TrainDatasetConfig,
+    "monitor": MonitorConfig,
+    "profiler": ProfilerConfig,
+    "context": ContextConfig,
+}
+# Sections that accept extra keys (MindFormers ``allow_extra``): kept as dicts, validated by consumers.
+OPEN_SECTIONS = ("model", "optimizer", "lr_scheduler")
+# Other top-level keys: the Trainer escape hatch, user callbacks, graph mode's accumulation option,
+# and MindFormers' optional sections (``check_not_yet_sections``).
+OTHER_TOP_LEVEL = ("trainer", "callbacks", "gradient_accumulation_steps", "lora_config", "eval_dataset",
+                   "use_remove_redundant_dataset")
+TOP_LEVEL_KEYS = (*FIXED_SECTIONS, *OPEN_SECTIONS, *OTHER_TOP_LEVEL)
+GRAPH_MODEL_BLOCK = ("model.model_config: a graph-mode (graph.yaml) model block; PyNative puts the model keys "
+                     "directly under model:. Convert the file with `lit_moe convert-config graph.yaml -o "
+                     "pynative.yaml`")
+# Keys of MindFormers' graph-mode YAML (graph.yaml) that never appear in a pynative.yaml.
+GRAPH_MODE_KEYS = frozenset({"run_mode", "use_parallel", "runner_config", "parallel_config", "parallel",
+                             "runner_wrapper", "moe_config", "recompute_config", "output_dir", "trainer_config",
+                             "micro_batch_interleave_num", "load_checkpoint", "src_strategy_path_or_dir",
+                             "auto_trans_ckpt", "only_save_strategy", "resume_training", "use_legacy"})
+
+
+def check_top_level(cfg: dict) -> None:
+    """Unknown or misplaced keys of a whole configuration, each a one-line error."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"the configuration must be a mapping of sections, got {type(cfg).__name__}")
+    model = cfg.get("model")
+    if isinstance(model, dict) and "model_config" in model:
+        raise ConfigError(GRAPH_MODEL_BLOCK)
+    graph = sorted(k for k in cfg if k in GRAPH_MODE_KEYS)
+    if graph:
+        raise ConfigError(f"{graph[0]}: a graph-mode (graph.yaml) key, not a pynative.yaml section; convert the "
+                          "file with `lit_moe convert-config graph.yaml -o pynative.yaml`")
+    if "seed_everything" in cfg:
+        raise ConfigError("seed_everything: Lightning's seed key; lit_moe seeds everything from training.seed. "
+                          "Remove it (an older --print_config output also carries trainer.max_steps: -1, which "
+                          "would override training.steps: remove that too)")
+    for key in cfg:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"{key}: unknown top-level key{suggest(str(key), TOP_LEVEL_KEYS)}; sections are "
+                              + ", ".join(TOP_LEVEL_KEYS))
+    for name, cls in FIXED_SECTIONS.items():
+        build_section(cls, cfg.get(name), name)
+    for name in OPEN_SECTIONS:
+        if cfg.get(name) is not None and not isinstance(cfg[name], dict):
+            raise ConfigError(f"{name}: expected a mapping of keys, got {cfg[name]!r}")

@@ -58,7 +58,8 @@ from typing import Any, Optional
 
 from lit_moe.config import (CheckpointConfig, ConfigError, ContextConfig, MonitorConfig, ParallelismConfig,
                             ProfilerConfig, RecomputeCommConfig, RecomputeConfig, TrainDatasetConfig,
-                            TrainingConfig, load_yaml)
+                            TrainingConfig)
+from lit_moe.config_file import load_yaml
 
 
 class GraphOnlyKeysWarning(UserWarning):

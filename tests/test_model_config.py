@@ -5,9 +5,8 @@ import logging
 import pytest
 import torch
 
-from lit_moe.config import ConfigError
+from lit_moe.config import NO_EFFECT_KEYS, ConfigError
 from lit_moe.model import DeepseekV3Config
-from lit_moe.model.config import _LOGGED_UNKNOWN
 from lit_moe.model.presets import DEEPSEEK_V3_671B, SEED_8CARD
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
@@ -53,13 +52,25 @@ def test_mindformers_aliases_map_to_canonical_names():
         DeepseekV3Config(**SMALL, num_layers=3)
 
 
-def test_unknown_keys_logged_once_by_name(caplog):
-    _LOGGED_UNKNOWN.discard("my_extra_key")
-    with caplog.at_level(logging.WARNING, logger="lit_moe.model.config"):
-        DeepseekV3Config(**SMALL, my_extra_key=1, use_attn_mask_compression=False)
-        DeepseekV3Config(**SMALL, my_extra_key=2)
-    lines = [r.getMessage() for r in caplog.records if "my_extra_key" in r.getMessage()]
-    assert len(lines) == 1 and "unknown" in lines[0]
+def test_unknown_keys_are_errors_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"^model\.num_hidden_layer: unknown key \(did you mean "
+                                          r"'num_hidden_layers'\?\)"):
+        DeepseekV3Config(**SMALL, num_hidden_layer=3)
+    with pytest.raises(ConfigError, match=r"^model\.my_extra_key: unknown key;"):
+        DeepseekV3Config(**SMALL, my_extra_key=1)
+    with pytest.raises(ConfigError, match=r"model\.model_config: .*lit_moe convert-config"):
+        DeepseekV3Config(**SMALL, model_config={"num_layers": 2})
+
+
+def test_keys_accepted_without_effect_come_from_the_one_list():
+    """Every ``model.*`` entry of NO_EFFECT_KEYS is accepted and changes nothing; a documented no-effect
+    key that is also a field keeps its default meaning."""
+    extra = {k[len("model."):] for k in NO_EFFECT_KEYS if k.startswith("model.")}
+    fields = set(DeepseekV3Config().to_dict())
+    plain = DeepseekV3Config(**SMALL)
+    with_extras = DeepseekV3Config(**SMALL, **{k: "x" for k in extra - fields})
+    assert with_extras == plain
+    assert extra & fields == {"mla_qkv_concat", "topk_method", "num_key_value_heads"}
 
 
 def test_yaml_strings_and_normalisation():

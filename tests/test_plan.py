@@ -141,3 +141,21 @@ def test_plan_through_the_cli_and_bad_inputs(tmp_path, capsys):
     bad = _seed_cfg(2, 3, heads=8)
     assert main(["--config", _write(tmp_path, bad, "bad.yaml"), "--world-size", "8"]) == 2
     assert "ep(3)" in capsys.readouterr().err
+
+
+def test_plan_takes_the_same_dotted_overrides_as_fit(tmp_path, capsys):
+    """``--parallelism.expert_parallel 2`` changes one key and keeps the rest of the file (as fit does);
+    a misspelled one is refused with a suggestion."""
+    path = _write(tmp_path, _seed_cfg(tp=2, ep=1))
+    assert main(["--config", path, "--world-size", "8", "--parallelism.expert_parallel", "2",
+                 "--model.num_hidden_layers=4", "--training.global_batch_size", "32"]) == 0
+    text = capsys.readouterr().out
+    assert "expert_parallel 2: borrowed from" in text and "accumulation steps 8 (= 32 // 4)" in text
+    plain = plan(path, 8, out=io.StringIO())
+    overridden = plan(path, 8, out=io.StringIO(), overrides=[("parallelism.expert_parallel", "2")])
+    assert overridden["dims"].ep == 2 and plain["dims"].ep == 1
+    # expert parallel borrows the FSDP ranks: the experts' share per rank is unchanged
+    assert overridden["memory"]["params_numel"] == plain["memory"]["params_numel"]
+    assert main(["--config", path, "--world-size", "8", "--parallelism.expert_paralel", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "expert_paralel" in err and "did you mean 'expert_parallel'" in err

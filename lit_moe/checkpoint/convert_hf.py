@@ -38,7 +38,8 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.checkpoint.resume import find_iteration_dir
-    from lit_moe.config import ConfigError, load_yaml
+    from lit_moe.config import ConfigError
+    from lit_moe.config_file import load_yaml
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 
     data = load_yaml(config_path)

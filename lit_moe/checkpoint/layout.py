@@ -102,6 +102,9 @@ def read_tracker(save_path: Path) -> int:
         text = tracker.read_text().strip()
     except OSError as err:
         raise CheckpointError(f"checkpoint.load_path: cannot read the tracker {tracker}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"checkpoint.load_path: the tracker {tracker} holds bytes that are not text; it "
+                              "should hold the step number of the newest checkpoint") from None
     if not text:
         raise CheckpointError(f"checkpoint.load_path: the tracker {tracker} is empty")
     if not text.isdigit():

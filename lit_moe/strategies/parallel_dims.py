@@ -267,3 +267,214 @@ def _shared_expert_width(cfg: Any) -> int:
     moe = getattr(cfg, "moe_intermediate_size", None) or 0
     return int(moe) * int(n_shared)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# the MindFormers parallelism keys that have no mesh of their own
+# ----------------------------------------------------------------------------------------------
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+CONTEXT_PARALLEL_METHODS = ("colossal", "ulysses", "hybrid")
+IMPLEMENTED_CP_METHODS = ("colossal",)   # what lit_moe.strategies.context_parallel does
+RESHARD_POLICIES = ("always", "never", "default")
+
+
+def _flag(p: Any, name: str) -> bool:
+    value = getattr(p, name)
+    if not isinstance(value, bool):
+        raise ParallelismError(f"parallelism.{name}: expected true or false, got {value!r}")
+    return value
+
+
+def _choice(p: Any, name: str, choices: tuple, message: Optional[str] = None) -> str:
+    value = getattr(p, name)
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ParallelismError(f"parallelism.{name}: " + (message or f"{value!r} is not supported; supported: "
+                                                           + ", ".join(map(repr, choices))))
+    return value.lower()
+
+
+def reshard_after_forward(p: Any) -> bool:
+    """FSDP ``reshard_after_forward`` of the run: ``reshard_after_forward_policy`` (MindFormers)
+    when it is ``always``/``never``, else ``data_parallel_shard_strategy`` (ZeRO-3 reshards)."""
+    policy = getattr(p, "reshard_after_forward_policy", "default")
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return p.data_parallel_shard_strategy == "optim_grads_params"
+
+
+def cp_ulysses_degree(p: Any) -> int:
+    """MindFormers' ``_validate_cp_method``: the effective Ulysses degree (1 for ``colossal``), with its
+    errors for the other methods."""
+    method = _choice(p, "context_parallel_method", CONTEXT_PARALLEL_METHODS,
+                     f"Unsupported context_parallel_method: {p.context_parallel_method!r}.")
+    cp, u = p.context_parallel, p.ulysses_degree_in_cp
+    if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
+        raise ParallelismError(f"parallelism.ulysses_degree_in_cp: must be null or an integer >= 1, got {u!r}")
+    if method == "colossal":
+        return 1
+    if method == "ulysses":
+        degree = cp if u is None else u
+        if degree != cp:
+            raise ParallelismError("parallelism.ulysses_degree_in_cp: Ulysses CP requires ulysses_degree_in_cp == "
+                                   f"context_parallel (got {u} and {cp}).")
+        return degree
+    if u is None:
+        raise ParallelismError("parallelism.ulysses_degree_in_cp: Hybrid CP requires ulysses_degree_in_cp to be set.")
+    if u <= 1 or u >= cp or cp % u:
+        raise ParallelismError("parallelism.ulysses_degree_in_cp: Hybrid CP requires 1 < ulysses_degree_in_cp < "
+                               f"context_parallel and divisibility (got {u} with context_parallel {cp}).")
+    return u
+
+
+def pipeline_stage_layers(p: Any, num_layers: int) -> list[list[list[int]]]:
+    """``stages[pp_rank][chunk]`` = decoder-layer ids of each virtual stage, from
+    ``pipeline_parallel_layers_per_stage`` (null/``auto``: equal contiguous split over
+    ``pp * interleave`` stages, chunk ``c`` of rank ``r`` being stage ``c * pp + r``; else one string
+    per rank of ``interleave`` comma-separated ``"a-b"`` ranges, or a list of layer-id lists). Every
+    decoder layer must belong to exactly one stage. Used by the pipeline engine."""
+    P, V = p.pipeline_parallel, p.pipeline_parallel_interleave_num
+    spec = p.pipeline_parallel_layers_per_stage
+    name = "parallelism.pipeline_parallel_layers_per_stage"
+    if spec is None or spec == "auto":
+        S = P * V
+        if num_layers % S:
+            raise ParallelismError(f"{name}: Number of layers ({num_layers}) is not divisible by total stages ({S})."
+                                   "Please configure pipeline_parallel_layers_per_stage with explicit ranges.")
+        per = num_layers // S
+        return [[list(range((c * P + r) * per, (c * P + r + 1) * per)) for c in range(V)] for r in range(P)]
+    if isinstance(spec, str) or not isinstance(spec, list) or len(spec) != P:
+        raise ParallelismError(f"{name}: expected null, 'auto' or a list of {P} entries (one per pipeline stage), "
+                               f"got {spec!r}")
+    stages: list[list[list[int]]] = []
+    for r, entry in enumerate(spec):
+        if isinstance(entry, str):
+            chunks = []
+            for part in entry.split(","):
+                m = _RANGE.match(part)
+                if not m:
+                    raise ParallelismError(f"{name}[{r}]: {part.strip()!r} is not a layer id or 'a-b' range")
+                lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+                if lo > hi:
+                    raise ParallelismError(f"{name}[{r}]: range {part.strip()!r} must satisfy a <= b")
+                chunks.append(list(range(lo, hi + 1)))
+        elif isinstance(entry, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in entry):
+            chunks = [list(entry)]
+        else:
+            raise ParallelismError(f"{name}[{r}]: expected a string of ranges or a list of layer ids, got {entry!r}")
+        if len(chunks) != V:
+            raise ParallelismError(f"{name}[{r}]: has {len(chunks)} chunk(s); pipeline_parallel_interleave_num is {V}")
+        stages.append(chunks)
+    seen = sorted(i for chunks in stages for chunk in chunks for i in chunk)
+    if seen != list(range(num_layers)):
+        raise ParallelismError(f"{name}: the stages must cover decoder layers 0..{num_layers - 1} exactly once, got "
+                               f"{spec!r}")
+    return stages
+
+
+import re as _re  # noqa: E402  (used by pipeline_stage_layers only)
+
+_RANGE = _re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def check_parallelism_keys(p: Any) -> None:
+    """MindFormers' rules for the ``parallelism`` keys that need no world size, then a one-line "not yet"
+    for values that need an engine lit_moe does not have. Runs before anything is launched."""
+    tp = _check_degree("tensor_parallel", p.tensor_parallel)
+    if p.sequence_parallel is not None:
+        _flag(p, "sequence_parallel")
+    if tp > 1 and p.sequence_parallel is False:
+        raise ParallelismError(
+            "parallelism.sequence_parallel: PyNative tensor parallelism requires sequence_parallel=True when "
+            f"tensor_parallel > 1, but got tensor_parallel={tp}.")
+    policy = getattr(p, "reshard_after_forward_policy")
+    if policy not in RESHARD_POLICIES:
+        raise ParallelismError(f"parallelism.reshard_after_forward_policy: Invalid reshard_after_forward_policy: "
+                               f"{policy!r}. Supported: 'always', 'never', 'default'")
+    for name in ("cpu_offload", "disable_gradient_division", "context_parallel_async", "pipeline_parallel_overlap_p2p",
+                 "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split", "enable_mc2",
+                 "enable_loss_parallel", "expert_parallel_async_d2h", "expert_parallel_use_safe_tokens"):
+        _flag(p, name)
+    if p.cpu_offload:
+        raise ParallelismError("parallelism.cpu_offload: True needs FSDP CPU offload, which lit_moe does not "
+                               "implement yet; set it to false (add ranks or recompute to save memory)")
+    k = p.dense_fsdp_shard_size
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise ParallelismError(f"parallelism.dense_fsdp_shard_size: must be null or an integer, got {k!r}")
+    # context parallel (MindFormers' context_parallel.py rules)
+    cp = _check_degree("context_parallel", p.context_parallel)
+    if p.context_parallel_mask_type != "causal":
+        raise ParallelismError("parallelism.context_parallel_mask_type: Context parallel currently only supports "
+                               f"pure causal mask, got {p.context_parallel_mask_type!r}.")
+    method = _choice(p, "context_parallel_method", CONTEXT_PARALLEL_METHODS,
+                     f"Unsupported context_parallel_method: {p.context_parallel_method!r}.")
+    if p.context_parallel_async and method == "colossal" and cp > 1:
+        raise ParallelismError("parallelism.context_parallel_async: Async context parallel currently supports "
+                               "'ulysses' and 'hybrid' only; set it to false with context_parallel_method 'colossal'.")
+    if cp > 1:
+        cp_ulysses_degree(p)
+        if method not in IMPLEMENTED_CP_METHODS:
+            raise ParallelismError(f"parallelism.context_parallel_method: {method!r} with context_parallel {cp} needs "
+                                   "Ulysses (head all-to-all) context parallelism, which lit_moe does not implement "
+                                   "yet; use 'colossal'")
+    elif p.ulysses_degree_in_cp is not None:
+        cp_ulysses_degree(p)
+    # pipeline keys
+    pp = _check_degree("pipeline_parallel", p.pipeline_parallel)
+    _check_degree("pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size)
+    _check_degree("pipeline_parallel_interleave_num", p.pipeline_parallel_interleave_num)
+    _choice(p, "pipeline_parallel_schedule", PIPELINE_SCHEDULES)
+    _choice(p, "pipeline_parallel_p2p_transport", ("plain", "auto"))
+    spec = p.pipeline_parallel_layers_per_stage
+    if spec is not None and spec != "auto" and not isinstance(spec, list):
+        raise ParallelismError("parallelism.pipeline_parallel_layers_per_stage: expected null, 'auto' or a list "
+                               f"of per-stage layer ranges, got {spec!r}")
+    if pp > 1:
+        raise ParallelismError(f"parallelism.pipeline_parallel: {pp} needs the pipeline-parallel engine, which lit_moe "
+                               "does not implement yet (only 1); use data, tensor, context and expert parallelism")
+    # experts
+    _check_degree("npu_nums_per_device", p.npu_nums_per_device)
+    if p.moe_token_dispatcher_type == "alltoall_deredundancy":
+        if p.expert_parallel < p.npu_nums_per_device:
+            raise ParallelismError(
+                "parallelism.moe_token_dispatcher_type: expert_parallel must be greater than or equal to "
+                "npu_nums_per_device when using 'alltoall_deredundancy', but got expert_parallel="
+                f"{p.expert_parallel}, npu_nums_per_device={p.npu_nums_per_device}.")
+        raise ParallelismError("parallelism.moe_token_dispatcher_type: 'alltoall_deredundancy' needs Ascend's "
+                               "de-duplicated all-to-all, which lit_moe does not implement yet; use 'alltoall'")
+
+
+def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None:
+    """The ``parallelism`` rules that need the world size or the model."""
+    k = p.dense_fsdp_shard_size
+    if k is not None:
+        F = dims.dp_shard * dims.cp
+        if not 1 <= k <= F or F % k:
+            raise ParallelismError(f"parallelism.dense_fsdp_shard_size: dense_fsdp_shard_size {k} is invalid. It must "
+                                   f"be in range [1, {F}] and evenly divide fsdp (dp_shard * cp = {F}).")
+        if k != F:
+            raise ParallelismError(f"parallelism.dense_fsdp_shard_size: {k} needs dense weights sharded over fewer "
+                                   f"ranks than fsdp ({F}), which lit_moe does not implement yet; set it to null")
+    if dims.cp > 1 and p.context_parallel_async and p.context_parallel_method == "ulysses":
+        heads = getattr(model_config, "num_attention_heads", 0)
+        degree = cp_ulysses_degree(p)
+        if heads % degree:
+            raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}) must be "
+                                   f"divisible by ulysses_degree ({degree}).")
+    if dims.pp > 1:
+        pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
+
+
+def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float], Optional[float]]:
+    """FSDP gradient divide factors ``(dense, experts)`` for ``disable_gradient_division``.
+
+    lit_moe's gradients are the mean over data/context-parallel ranks, which is what MindFormers gets
+    with its default True (reduce with SUM, the loss carries 1/(W/P)). With False MindFormers' FSDP
+    divides by the size of each reduce group on top: the dense mesh (``dp_replicate * fsdp``) and the
+    expert mesh (``dp_replicate * efsdp``). ``(None, None)``: keep the default division."""
+    if getattr(p, "disable_gradient_division", True) or dims.world_size == 1:
+        return None, None
+    dense_group = dims.dp_replicate * dims.fsdp
+    expert_group = dims.dp_replicate * dims.efsdp
+    return float(dense_group * dense_group), float(dims.dp_cp * expert_group)

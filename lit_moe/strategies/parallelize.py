@@ -87,9 +87,12 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
     from torch.distributed.tensor import Shard
 
     from lit_moe.model import MoE
+    from lit_moe.strategies.parallel_dims import gradient_divide_factors, reshard_after_forward
 
     dense_mp, router_mp = mixed_precision(config, reduce_in_fp32)
-    zero3 = parallelism.data_parallel_shard_strategy == "optim_grads_params"
+    zero3 = reshard_after_forward(parallelism)
+    # disable_gradient_division: False divides once more by each reduce group (MindFormers' FSDP mean)
+    dense_factor, expert_factor = gradient_divide_factors(parallelism, dims)
     mesh = dims.mesh("fsdp")
     emesh = dims.mesh("efsdp")
     compute = config.torch_dtype("compute_dtype")
@@ -113,7 +116,7 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
                                   shard_placement_fn=expert_placement)
             # Dense gradients are averaged over dp·cp ranks; expert gradients are summed over every rank
             # of the expert mesh, so divide them by the same dp·cp.
-            experts.set_gradient_divide_factor(float(dims.dp_cp))
+            experts.set_gradient_divide_factor(expert_factor or float(dims.dp_cp))
             if dims.efsdp > 1 and _backend(emesh) != "nccl":
                 # Only NCCL has PREMUL_SUM; elsewhere reduce with SUM and divide after. (Not with one
                 # shard: torch 2.13 then divides in its copy path and again after.)
@@ -126,6 +129,21 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
     # the head runs right after the last layer and its backward right away: keep it gathered
     fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=dense_mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
+    if dense_factor is not None and dense_factor > 1:
+        _set_dense_divide_factor(model, dense_factor, sum_only=_backend(mesh) != "nccl")
+
+
+def _set_dense_divide_factor(model: nn.Module, factor: float, sum_only: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lit_moe.model import MoE
+
+    experts = {id(m.experts) for m in model.modules() if isinstance(m, MoE)}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module) not in experts:
+            module.set_gradient_divide_factor(factor)
+            if sum_only:
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def _backend(mesh) -> str:

@@ -17,24 +17,21 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lit_moe.config import ConfigError, load_yaml, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig
+from lit_moe.config import (ConfigError, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig,
+                            build_section)
 
 GiB = 1024 ** 3
 
 
 def _section(data: dict, name: str, cls: Optional[type] = None) -> Any:
     value = data.get(name)
+    if cls is not None:
+        return build_section(cls, value, name)
     if value is None:
-        return cls() if cls is not None else {}
+        return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
-    if cls is None:
-        return dict(value)
-    try:
-        return cls(**value)
-    except TypeError as err:
-        known = ", ".join(f for f in cls.__dataclass_fields__)
-        raise ConfigError(f"{name}: {err} (known keys: {known})") from None
+    return dict(value)
 
 
 def _seq_length(data: dict, model_config: Any) -> int:
@@ -109,21 +106,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lit_moe plan",
         description="Validate a parallel layout and print meshes, batch split, parameter counts, per-rank "
                     "memory and FLOPs, without starting workers or allocating the model.")
-    parser.add_argument("--config", "-c", required=True, help="pynative.yaml")
+    parser.add_argument("--config", "-c", required=True, action="append",
+                        help="pynative.yaml (repeatable: later files merge into earlier ones)")
     parser.add_argument("--world-size", "-n", type=int, required=True, help="number of processes (devices)")
+    parser.epilog = ("Any --SECTION.KEY VALUE changes one key of the configuration, as with lit_moe fit "
+                     "(e.g. --parallelism.expert_parallel 8).")
     return parser
 
 
-def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
-    """Validate and describe the layout; returns the numbers it printed (for tests)."""
+def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None
+         ) -> dict[str, Any]:
+    """Validate and describe the layout; returns the numbers it printed (for tests). ``config_path``
+    is one path or a list (merged in order); ``overrides`` are ``(dotted key, YAML value)`` pairs."""
+    from lit_moe.config import check_top_level
+    from lit_moe.config_file import resolve
+
     out = sys.stdout if out is None else out
 
-    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-    from lit_moe.strategies.parallel_dims import ParallelDims
-    from lit_moe.strategies.parallelize import parallelize
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
     from lit_moe.strategies.strategy import check_parallelism_section
 
-    data = load_yaml(config_path)
+    paths = [config_path] if isinstance(config_path, str) else list(config_path)
+    data = resolve(paths, overrides or [])
+    check_top_level(data)
+    config_path = ", ".join(paths)
 
     parallelism = _section(data, "parallelism", ParallelismConfig)
     training = _section(data, "training", TrainingConfig)
@@ -136,11 +143,13 @@ def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
     model_config = DeepseekV3Config(**model_section)
     seq_length = _seq_length(data, model_config)
 
+    check_parallelism_keys(parallelism)
     check_parallelism_section(parallelism)
     dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
                         tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
                         pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
     dims.validate_model(model_config, seq_length)
+    check_parallel_layout(parallelism, dims, model_config)
     accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
 
     from lit_moe.model import sizing
@@ -148,16 +157,7 @@ def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
     counts = sizing.param_counts(model_config)
     flops = sizing.flops_per_token(model_config, seq_length)
 
-    _init_fake_world(world_size)
-    try:
-        dims.build_meshes("cpu")
-        with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(model_config)
-        model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
-                            model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
-        mem = local_bytes(model, optimizer_section)
-    finally:
-        dist.destroy_process_group()
+    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section)
 
     total = _count(counts, "total")
     active = _count(counts, "active")
@@ -200,9 +200,95 @@ def plan(config_path: str, world_size: int, out=None) -> dict[str, Any]:
         p(f"  gradients kept unsharded between micro-batches (gradient_sync_every_microbatch: false): "
           f"{_fmt_bytes(mem['unsharded_grads'])}", file=out)
     p(f"  optimizer state ({optimizer_section.get('type', 'AdamW')}, fp32): {_fmt_bytes(mem['optimizer'])}", file=out)
-    p(f"  total (without activations): {_fmt_bytes(mem['params'] + mem['grads'] + mem['optimizer'])}", file=out)
+    p(f"  total (without activations): {_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
     return {"dims": dims, "accumulation": accumulation, "total": total, "active": active, "flops": flops,
             "memory": mem}
+
+
+def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,
+                   recompute_comm: Any = None, optimizer_section: Optional[dict] = None) -> dict[str, int]:
+    """:func:`local_bytes` of rank 0 of the run: the model is built on the meta device and, with more
+    than one rank, parallelized on a fake process group exactly as the run would do it."""
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.strategies.parallelize import parallelize
+
+    if dims.world_size == 1:
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(model_config)
+        return local_bytes(model, optimizer_section)
+    _init_fake_world(dims.world_size)
+    try:
+        dims.build_meshes("cpu")
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(model_config)
+        model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
+                            model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
+        return local_bytes(model, optimizer_section)
+    finally:
+        dist.destroy_process_group()
+        dims.meshes = {}
+
+
+def state_bytes(mem: dict[str, int], parallelism: ParallelismConfig) -> int:
+    """Parameters, gradients and optimizer state of one rank (plus the unsharded gradients kept between
+    micro-batches when ``gradient_sync_every_microbatch`` is false)."""
+    total = mem["params"] + mem["grads"] + mem["optimizer"]
+    if not parallelism.gradient_sync_every_microbatch:
+        total += mem["unsharded_grads"] - mem["grads"]
+    return total
+
+
+def device_memory(accelerator: str, local_processes: int) -> tuple[int, str]:
+    """``(bytes, description)`` one rank can use: the accelerator's total memory, or on the CPU the
+    available RAM shared by the processes of this machine."""
+    if accelerator in ("cuda", "gpu") and torch.cuda.is_available():
+        index = int(__import__("os").environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+        total = torch.cuda.get_device_properties(index).total_memory
+        return total, f"cuda:{index} memory"
+    if accelerator == "npu":
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            return int(npu.get_device_properties(0).total_memory), "npu memory"
+    available = _available_ram()
+    share = available // max(local_processes, 1)
+    what = "available RAM" + (f" / {local_processes} processes" if local_processes > 1 else "")
+    return share, what
+
+
+def _available_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil comes with lightning
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return 1 << 62  # pragma: no cover - unknown: do not refuse
+
+
+def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any,
+               recompute_comm: Any, optimizer_section: Optional[dict], accelerator: str,
+               local_processes: int) -> None:
+    """Refuse, before anything is allocated, a run whose per-rank parameters, gradients and optimizer
+    state exceed the memory of one rank's device. One rank: exactly the bytes ``lit_moe plan`` prints
+    (model on the meta device). Several ranks: the whole model's bytes divided by the world size, a
+    lower bound of every rank's share (no layout holds less per rank), so a refusal is never wrong;
+    ``lit_moe plan`` gives the exact per-rank numbers. (``fit`` does not build the meshes on a fake
+    process group as ``plan`` does: its processes are about to join the real one.)"""
+    from lit_moe.strategies.parallel_dims import ParallelDims
+
+    whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism, optimizer_section=optimizer_section)
+    need = state_bytes(whole, parallelism) // dims.world_size
+    have, what = device_memory(accelerator, local_processes)
+    if need > have:
+        share = "needs" if dims.world_size == 1 else "needs at least"
+        raise ConfigError(
+            f"model: does not fit: each of the {dims.world_size} rank(s) {share} {_fmt_bytes(need)} for parameters, "
+            f"gradients and optimizer state (lit_moe plan), but has {_fmt_bytes(have)} ({what}); use more ranks "
+            "(parallelism.data_parallel_shard / expert_parallel / tensor_parallel), a smaller model, or for "
+            "activations recompute and a smaller training.local_batch_size")
 
 
 def _count(counts: Any, key: str) -> int:
@@ -212,9 +298,15 @@ def _count(counts: Any, key: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    from lit_moe.config import TOP_LEVEL_KEYS
+    from lit_moe.config_file import split_argv
+
+    args, rest = build_parser().parse_known_args(argv)
     try:
-        plan(args.config, args.world_size)
+        _, overrides, unknown = split_argv(rest, TOP_LEVEL_KEYS)
+        if unknown:
+            raise ConfigError(f"unexpected argument {unknown[0]!r}")
+        plan(args.config, args.world_size, overrides=overrides)
     except (ConfigError, ValueError) as err:
         print(f"lit_moe plan: error: {err}", file=sys.stderr)
         return 2
