@@ -243,11 +243,15 @@ def test_compiled_layers_head_and_mtp_hold_across_steps(monkeypatch, fresh_compi
 
     from lit_moe.strategies.recompute import apply_recompute
 
-    calls = []
-    original = moe_mod.GroupedExperts._aligned_grouped_mm
-    monkeypatch.setattr(moe_mod.GroupedExperts, "_aligned_grouped_mm",
-                        lambda self, *a: calls.append(torch.compiler.is_compiling()) or original(self, *a))
-    monkeypatch.setattr(compile_mod.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graph_ops = []   # (no instrumentation inside the model: dynamo would guard on it and recompile)
+
+    def recording_aot_eager(gm, example_inputs):
+        graph_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    monkeypatch.setattr(compile_mod.torch, "compile", functools.partial(torch.compile, backend=recording_aot_eager))
     torch._dynamo.reset()
     counters.clear()
     cfg = {**TINY, "compute_dtype": "bfloat16", "moe_intermediate_size": 24, "num_nextn_predict_layers": 1}
@@ -277,7 +281,7 @@ def test_compiled_layers_head_and_mtp_hold_across_steps(monkeypatch, fresh_compi
     assert not any(c.failed for c in compile_mod._COMPILED.values())
     assert dict(counters["graph_break"]) == {}
     assert graphs[0] == graphs[1] == graphs[2] > 0
-    assert False in calls and True in calls          # the eager and the compiled expert paths both ran
+    assert any("grouped_mm" in op for op in graph_ops)   # the compiled experts run the grouped GEMMs
 
     for m in (comp, eager):
         apply_recompute(m, {"mode": "full", "full_recompute_layer": ["0-2"]}, None)

@@ -8,7 +8,7 @@ experts are *chosen* on s + b (b = expert bias, aux-loss-free balancing), option
 through the experts as grouped GEMMs; each row's combine weight scales its activation ahead of the
 down projection, so the expert outputs come out already weighted, in the compute dtype. They are
 un-permuted with a gather through the inverse permutation and summed over the K choices of each
-token: no fp32 ``[T, K, H]`` tensor, no zero buffer, no scatter, no atomics (deterministic).
+token: no fp32 ``[T, K, H]`` tensor, no zero buffer, no scatter of rows, no atomics (deterministic).
 """
 
 from __future__ import annotations
