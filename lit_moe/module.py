@@ -1,37 +1,46 @@
 """The LightningModule: the PyNative training step of MindFormers on top of Lightning.
 
-One dataloader batch is one micro-batch. With ``A`` accumulation steps, micro-batches ``0..A-2`` only run
-forward/backward (each objective scaled by ``1/A``); micro-batch ``A-1`` also finishes the optimizer step:
-global gradient norm (fp32, every mesh) → skip guards → clipping → optimizer and LR schedule →
-expert-bias update from the token counts of the whole step, summed over micro-batches and ranks.
-Manual optimization keeps that order explicit and lets a guard skip an update without touching the
-optimizer state.
+One ``training_step`` call is one optimizer step (Lightning's ``dataloader_iter`` form): it takes the
+``A`` micro-batches of the step from the iterator, runs :meth:`LitMoE.forward_backward` over them
+(each objective scaled by ``1/A``; a pipeline schedule replaces this method), then finishes the
+step: global gradient norm (fp32, every mesh) → gradient observers → skip guards → clipping →
+optimizer and LR schedule → expert-bias update from the token counts of the whole step, summed over
+micro-batches and data-parallel ranks. It publishes a frozen :class:`~lit_moe.step.StepMetrics`.
+So ``on_train_batch_end`` fires once per optimizer step, and a stop (``max_time``, a callback's
+``should_stop``) can only happen between steps. Manual optimization keeps that order explicit and
+lets a guard skip an update without touching the optimizer state. The strategy is reached through
+:class:`~lit_moe.step.StepStrategy` only.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from torch.distributed.tensor import DTensor
 
 from lit_moe.config import TrainingConfig
+from lit_moe.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
+Batch = dict[str, torch.Tensor]
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
+# Lightning calls the iterator form of training_step experimental and warns that consuming several
+# batches per call misaligns `batch_idx` and does not mix with its own accumulation: LitMoE consumes
+# exactly A batches per call on purpose and accumulates itself, and no hook of ours reads batch_idx.
+for _message in ("You are using the `dataloader_iter` step flavor", "Found `dataloader_iter` argument"):
+    warnings.filterwarnings("ignore", message=_message)
 
 
 class LitMoE(LightningModule):
     """Trains a :class:`DeepseekV3ForCausalLM` with the MindFormers PyNative step semantics.
+
+    Needs :class:`~lit_moe.strategies.AscendFSDPStrategy` (``strategy="ascend_fsdp"``; it also
+    serves one process).
 
     Args:
         model_config: the ``model:`` section, validated.
@@ -41,6 +50,7 @@ class LitMoE(LightningModule):
         accumulation_steps: micro-batches per optimizer step on each rank (``A``).
         weights_loader: called with the materialised model after initialisation, to load weights
             only (fine-tuning from a checkpoint or a Hugging Face directory).
+        lora: the ``lora_config`` section (:func:`lit_moe.lora.lora_settings`); None: no adapters.
     """
 
     def __init__(
@@ -51,6 +61,7 @@ class LitMoE(LightningModule):
         training: TrainingConfig,
         accumulation_steps: int = 1,
         weights_loader: Optional[Callable[[torch.nn.Module], None]] = None,
+        lora: Any = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -60,13 +71,30 @@ class LitMoE(LightningModule):
         self.training_config = training
         self.accumulation_steps = int(accumulation_steps)
         self.weights_loader = weights_loader
+        from lit_moe.lora import check_lora_targets, lora_settings
+
+        self.lora = lora_settings(lora)
+        if self.lora is not None:
+            check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
-        self.step_metrics: dict[str, Any] = {}
+        self.step_metrics: Optional[StepMetrics] = None   # the last finished step
         self.skipped_steps = 0
-        self._micro_step = 0
-        self._window_start_samples: Optional[int] = None   # data position where this accumulation window began
+        # Micro-batches of a step whose epoch ran out before the step was complete: the step goes
+        # on with the next epoch's first micro-batches (as when every batch was its own call).
+        self._carried: list[Batch] = []
         self._last_step_end: Optional[float] = None         # wall clock of the previous step's end
         self._reset_step_accumulators()
+
+    @property
+    def step_strategy(self) -> StepStrategy:
+        """The strategy, as the step uses it."""
+        from lit_moe.strategies import AscendFSDPStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, AscendFSDPStrategy):
+            raise TypeError(f"LitMoE needs lit_moe's AscendFSDPStrategy (strategy='ascend_fsdp', one process "
+                            f"too), got {type(strategy).__name__}")
+        return strategy
 
     # ------------------------------------------------------------------------------------------
     # model construction
@@ -75,18 +103,29 @@ class LitMoE(LightningModule):
         # Lightning calls this for every fit/validate/test: build once.
         if self.model is not None:
             return
+        strategy = self.step_strategy
         # Build on the meta device: a 671B config never materialises whole on one rank.
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(self.model_config)
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "parallelize"):
-            model = strategy.parallelize(model)
+        if self.lora is not None:   # adapters before the layout, so that it shards them too
+            from lit_moe.lora import apply_lora
+
+            apply_lora(model, self.lora)
+        model = strategy.parallelize(model)
         model.to_empty(device=strategy.root_device)
         # Layout-independent init from the run seed; a resumed run overwrites it with the
         # checkpoint afterwards (Lightning restores after configure_model), never the reverse.
         model.init_weights(self.training_config.seed)
+        if self.lora is not None:
+            from lit_moe.lora import init_adapters
+
+            init_adapters(model, self.training_config.seed)
         if self.weights_loader is not None:
             self.weights_loader(model)
+        if self.lora is not None:   # base weights frozen: the optimizer sees the adapters only
+            from lit_moe.lora import freeze_base
+
+            freeze_base(model)
         self.model = model
 
     def forward(self, **batch: torch.Tensor):
@@ -108,31 +147,6 @@ class LitMoE(LightningModule):
     # ------------------------------------------------------------------------------------------
     # the training step
     # ------------------------------------------------------------------------------------------
-    def _consumed_before(self, batch: dict[str, torch.Tensor]) -> Optional[int]:
-        """The data module's consumed-samples count before this micro-batch (it counts a batch when
-        it is transferred, i.e. already), or None without such a data module."""
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is None or not hasattr(dm, "consumed_samples") or not batch:
-            return None
-        rows = int(next(iter(batch.values())).shape[0])
-        return int(dm.consumed_samples) - rows * int(getattr(dm, "dp_size", 1))
-
-    def discard_unfinished_window(self) -> None:
-        """Training stopped between optimizer steps (``max_time``, a callback's ``should_stop``, an
-        epoch limit): the micro-batches of the unfinished accumulation window never reached the
-        weights. Their gradients and routing counts are dropped and their samples given back to the
-        data module, so the final checkpoint resumes with exactly those samples."""
-        if self._micro_step == 0:
-            return
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and self._window_start_samples is not None:
-            dm.consumed_samples = self._window_start_samples
-        self.model.zero_grad(set_to_none=True)
-        for m in self.model.moe_layers():
-            m.tokens_per_expert.zero_()
-            m.reset_drop_counters()
-        self._micro_step = 0
-
     def on_train_start(self) -> None:
         self._last_step_end = time.perf_counter()
 
@@ -153,74 +167,118 @@ class LitMoE(LightningModule):
         self._step_start = time.perf_counter()
         self._tokens = 0
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def _transfer(self, batch: Any) -> Batch:
+        """What Lightning does to a batch before ``training_step(batch, batch_idx)``: the precision
+        plugin's input conversion, then ``on_before_batch_transfer`` → device → ``on_after_batch_transfer``
+        (the DataModule counts consumed samples there)."""
+        trainer = self.trainer
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = self._on_before_batch_transfer(batch, dataloader_idx=0)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+    def _take_micro_batches(self, dataloader_iter: Iterator) -> list[Batch]:
+        """The ``A`` micro-batches of this step, on the device.
+
+        A step whose epoch runs out of data goes on with the next epoch's first micro-batches (as when
+        every micro-batch was its own call). When the loader has a length, the last ``< A``
+        micro-batches of an epoch are taken with the step before them, so this call is the epoch's
+        last and ``on_train_batch_end`` still fires once per optimizer step; an unsized loader ends
+        the epoch with ``StopIteration`` from the next call instead (Lightning then fires the batch
+        hooks once without a step)."""
+        batches, self._carried = self._carried, []
+        while len(batches) < self.accumulation_steps:
+            try:
+                batch, _, _ = next(dataloader_iter)
+            except StopIteration:
+                self._set_aside(batches)
+                raise
+            batches.append(self._transfer(batch))
+        length = dataloader_iter.length  # Lightning's iterator knows the epoch's length (None: unsized)
+        if length is not None and 0 < length - dataloader_iter.fetched < self.accumulation_steps:
+            self._set_aside([self._transfer(b) for b, _, _ in dataloader_iter])
+        return batches
+
+    def _dm_samples(self, batches: list[Batch], sign: int) -> None:
+        """Move the DataModule's consumed-samples count by the samples of ``batches`` (it counts a
+        micro-batch when it reaches the device)."""
+        from lit_moe.data import MegatronDataModule
+
+        dm = self.trainer.datamodule
+        if isinstance(dm, MegatronDataModule):
+            dm.consumed_samples += sign * sum(int(b["input_ids"].shape[0]) for b in batches) * dm.dp_size
+
+    def _set_aside(self, batches: list[Batch]) -> None:
+        """Micro-batches at the end of an epoch that do not make a whole step. They are not trained
+        on yet, so their samples are given back (a checkpoint of this step resumes with them); when
+        another epoch follows they are kept for its first step and counted again as it starts."""
+        if not batches:
+            return
+        self._dm_samples(batches, -1)
+        trainer = self.trainer
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        if not last_epoch:
+            self._carried = batches
+
+    def on_train_epoch_start(self) -> None:
+        # Before Lightning creates this epoch's data iterator (the sampler starts where the count is).
+        self._dm_samples(self._carried, +1)
+
+    def training_step(self, dataloader_iter: Iterator) -> None:
+        micro_batches = self._take_micro_batches(dataloader_iter)
+        self._reset_step_accumulators()
+        self.forward_backward(micro_batches)
+        self._finish_optimizer_step()
+
+    def forward_backward(self, micro_batches: list[Batch]) -> None:
+        """Forward and backward of each micro-batch of one step, gradients accumulated in ``p.grad``
+        (objectives scaled by ``1/A``); records the losses, balancing losses and token counts.
+        With ``gradient_sync_every_microbatch: False`` gradients are reduced only after the last."""
         A = self.accumulation_steps
-        if self._micro_step == 0:
-            self._reset_step_accumulators()
-            self._window_start_samples = self._consumed_before(batch)
-        last = self._micro_step == A - 1
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "set_gradient_sync") and A > 1:
-            # With gradient_sync_every_microbatch False the strategy defers the reduce-scatter to the
-            # last micro-batch; otherwise this is a no-op.
-            strategy.set_gradient_sync(last)
+        strategy = self.step_strategy
+        for k, batch in enumerate(micro_batches):
+            strategy.set_gradient_sync(k == len(micro_batches) - 1)
+            out = self.model(**batch)
+            objective = out.loss
+            aux = out.aux_loss
+            mtp = out.mtp_loss
+            if aux is not None and self.model.moe_layers():
+                objective = objective + aux
+                self._has_aux = True
+            if mtp is not None and len(self.model.mtp):
+                objective = objective + mtp
+                self._has_mtp = True
+            self.manual_backward(objective / A)
 
-        out = self.model(**batch)
-        objective = out.loss
-        aux = out.aux_loss
-        mtp = out.mtp_loss
-        if aux is not None and self.model.moe_layers():
-            objective = objective + aux
-            self._has_aux = True
-        if mtp is not None and len(self.model.mtp):
-            objective = objective + mtp
-            self._has_mtp = True
-        self.manual_backward(objective / A)
-
-        with torch.no_grad():
-            terms = [out.loss, aux if aux is not None else 0.0, mtp if mtp is not None else 0.0]
-            self._loss_sum += torch.tensor([float(t.detach() if torch.is_tensor(t) else t) / A for t in terms],
-                                           dtype=torch.float64)
-        self._micro_losses.append(float(out.loss.detach()) / A)
-        self._collect_moe_aux()
-        self._tokens += int(batch["input_ids"].numel())
-
-        self._micro_step = 0 if last else self._micro_step + 1
-        if last:
-            self._finish_optimizer_step()
-        return objective.detach()
+            with torch.no_grad():
+                terms = [out.loss, aux if aux is not None else 0.0, mtp if mtp is not None else 0.0]
+                self._loss_sum += torch.tensor([float(t.detach() if torch.is_tensor(t) else t) / A for t in terms],
+                                               dtype=torch.float64)
+            self._micro_losses.append(float(out.loss.detach()) / A)
+            self._collect_moe_aux()
+            self._tokens += int(batch["input_ids"].numel())
 
     def _collect_moe_aux(self) -> None:
         layers = self.model.moe_layers()
         if not layers:
             return
         # kept on the device (no sync per micro-batch); averaged over ranks with the step's counts
-        device = _local(layers[0].tokens_per_expert).device
-        vals = torch.stack([_local(m.last_stats["aux_loss"]).detach().float().to(device)
+        device = local_tensor(layers[0].tokens_per_expert).device
+        vals = torch.stack([local_tensor(m.last_stats["aux_loss"]).detach().float().to(device)
                             if "aux_loss" in m.last_stats else torch.zeros((), device=device)
                             for m in layers])
         self._moe_aux_sum = vals if self._moe_aux_sum is None else self._moe_aux_sum + vals
 
-    def _grad_params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.grad is not None]
-
-    def _global_grad_norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "clip_grad_norm_"):
-            return strategy.clip_grad_norm_(params, 0.0)
-        from lit_moe.strategies import global_grad_norm
-
-        return global_grad_norm(params)
-
     def _finish_optimizer_step(self) -> None:
-        from lit_moe.callbacks import StepGuard
-
         trainer = self.trainer
+        strategy = self.step_strategy
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        params = self._grad_params()
-        grad_norm = self._global_grad_norm(params).float()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = strategy.grad_norm(params).float()
 
+        for cb in trainer.callbacks:
+            if isinstance(cb, GradientObserver):
+                cb.on_gradients_before_clip(trainer, self, grad_norm)
         skip = False
         for cb in trainer.callbacks:
             if isinstance(cb, StepGuard) and cb.should_skip(trainer, self, grad_norm):
@@ -234,44 +292,37 @@ class LitMoE(LightningModule):
                 p.grad = None
             optimizer.step()
         else:
-            max_norm = self.training_config.max_norm
-            if max_norm > 0:
-                coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
-                for p in params:
-                    _local(p.grad).mul_(coef.to(_local(p.grad).device, _local(p.grad).dtype))
+            strategy.clip_grads_with_norm_(params, self.training_config.max_norm, grad_norm)
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         moe = self._update_expert_bias(apply=not skip)
-        self._record_step_metrics(grad_norm, lr, skip, moe)
+        self.step_metrics = self._step_metrics(grad_norm, lr, skip, moe)
 
     # ------------------------------------------------------------------------------------------
     # expert bias and metrics
     # ------------------------------------------------------------------------------------------
-    def _count_group(self):
-        # Token counts are summed over data-parallel ranks only: tp/cp/ep ranks of one group route the
-        # same tokens (the MoE layer sees the whole sequence), so summing over them would over-count.
-        strategy = self.trainer.strategy
-        return getattr(strategy, "expert_count_group", getattr(strategy, "loss_reduce_group", None))
-
-    def _update_expert_bias(self, apply: bool) -> Optional[dict[str, torch.Tensor]]:
+    def _update_expert_bias(self, apply: bool) -> Optional[MoEStepStats]:
         layers = self.model.moe_layers()
         if not layers:
             return None
-        counts = torch.stack([_local(m.tokens_per_expert).detach().float() for m in layers])
+        counts = torch.stack([local_tensor(m.tokens_per_expert).detach().float() for m in layers])
         # Capacity drops of this step: dropped and routed token-expert assignments per layer.
         # Third column: this step's balancing loss per layer (summed over micro-batches), averaged
         # over the same ranks below.
         aux_sum = self._moe_aux_sum if self._moe_aux_sum is not None else counts.new_zeros(len(layers))
-        extra = torch.stack([torch.stack([_local(m.dropped_assignments).float(),
-                                          _local(m.total_assignments).float()]) for m in layers]).to(counts.device)
+        extra = torch.stack([torch.stack([local_tensor(m.dropped_assignments).float(),
+                                          local_tensor(m.total_assignments).float()])
+                             for m in layers]).to(counts.device)
         extra = torch.cat([extra, aux_sum.to(extra)[:, None]], dim=1)
         ranks = 1
-        if _dist_ready():
-            group = self._count_group()
+        if is_distributed():
+            # Summed over dp × cp (each context-parallel rank routes its own tokens); the tensor/
+            # expert-parallel ranks of one group route the same tokens.
+            group = self.step_strategy.expert_count_group
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)
-            ranks = dist.get_world_size(group)
+            ranks = world_size(group)
         if apply and self.model_config.moe_router_enable_expert_bias:
             self.model.update_expert_bias(counts)
         else:
@@ -280,51 +331,44 @@ class LitMoE(LightningModule):
         for m in layers:
             m.reset_drop_counters()
         aux = None
-        coeff = float(getattr(self.model_config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        coeff = float(self.model_config.moe_aux_loss_coeff or 0.0)
         if self._moe_aux_sum is not None and coeff > 0:
             # Logged per layer without the coefficient, as MindFormers' load_balancing_loss.
             aux = extra[:, 2].double().cpu() / ranks / self.accumulation_steps / coeff
-        bias = torch.stack([_local(m.router.expert_bias).detach().float().cpu() for m in layers])
-        return {
-            "tokens_per_expert": counts.cpu(),
-            "aux_loss": aux,
-            "expert_bias": bias,
-            "dropped": extra[:, 0].cpu(),
-            "assigned": extra[:, 1].cpu(),
-        }
+        bias = torch.stack([local_tensor(m.router.expert_bias).detach().float().cpu() for m in layers])
+        return MoEStepStats(tokens_per_expert=counts.cpu(), aux_loss=aux, expert_bias=bias,
+                            dropped=extra[:, 0].cpu(), assigned=extra[:, 1].cpu())
 
-    def _record_step_metrics(self, grad_norm, lr, skipped, moe) -> None:
+    def _step_metrics(self, grad_norm, lr, skipped, moe) -> StepMetrics:
         losses = self._loss_sum.clone()
         tokens = torch.tensor([float(self._tokens)], dtype=torch.float64)
-        if _dist_ready():
-            world = dist.get_world_size()
-            vec = torch.cat([losses, tokens]).to(self.trainer.strategy.root_device)
+        if is_distributed():
+            world = world_size()
+            vec = torch.cat([losses, tokens]).to(self.step_strategy.root_device)
             dist.all_reduce(vec)
             vec = vec.cpu()
             losses = vec[:3] / world
-            # Ranks of one tp/cp group receive the same batch (the sequence is split inside the
-            # model), so count its tokens once per data-parallel rank.
-            dims = getattr(self.trainer.strategy, "parallel_dims", None)
-            per_group = (dims.tp * dims.cp) if dims is not None else 1
-            tokens_total = int(round(vec[3].item() / per_group))
+            # Every sample reaches all tensor/context-parallel ranks of its data-parallel rank:
+            # count its tokens once.
+            tokens_total = int(round(vec[3].item() / self.step_strategy.batch_replicas))
         else:
             tokens_total = int(tokens.item())
         step = self.trainer.global_step
-        self.step_metrics = {
-            "step": step,
-            "loss": float(losses[0]),
-            "aux_loss": float(losses[1]) if self._has_aux else None,
-            "mtp_loss": float(losses[2]) if self._has_mtp else None,
-            "grad_norm": float(grad_norm),
-            "lr": float(lr),
-            "skipped": bool(skipped),
-            "skipped_steps": self.skipped_steps,
-            "consumed_samples": step * self.training_config.global_batch_size,
-            "tokens": tokens_total,
-            "step_time": self._step_wall_time(),
-            "micro_losses": list(self._micro_losses),
-            "moe": moe,
-        }
+        return StepMetrics(
+            step=step,
+            loss=float(losses[0]),
+            aux_loss=float(losses[1]) if self._has_aux else None,
+            mtp_loss=float(losses[2]) if self._has_mtp else None,
+            grad_norm=float(grad_norm),
+            lr=float(lr),
+            skipped=bool(skipped),
+            skipped_steps=self.skipped_steps,
+            consumed_samples=step * self.training_config.global_batch_size,
+            tokens=tokens_total,
+            step_time=self._step_wall_time(),
+            micro_losses=tuple(self._micro_losses),
+            moe=moe,
+        )
 
     # ------------------------------------------------------------------------------------------
     # checkpoint hooks

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lit_moe.config import ConfigError, parse_number
+from lit_moe.model.names import canonical_name
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +199,6 @@ def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSe
 # ----------------------------------------------------------------------------------------------
 # parameter classification
 # ----------------------------------------------------------------------------------------------
-# Wrappers that insert a component into parameter names (activation checkpointing, torch.compile, FSDP1);
-# rules are written against the model's own names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
 
 def _matches(name: str, rules: Iterable[str]) -> Optional[str]:
     for rule in rules:
@@ -249,9 +240,9 @@ def _trainable(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[tup
         seen.add(id(p))
         if p.dtype != torch.float32:
             raise ConfigError(f"model.params_dtype: the optimizer steps fp32 master weights, but parameter "
-                              f"{clean_name(name)!r} is {str(p.dtype).replace('torch.', '')}; keep "
+                              f"{canonical_name(name)!r} is {str(p.dtype).replace('torch.', '')}; keep "
                               "params_dtype float32 (compute_dtype sets the compute precision)")
-        out.append((clean_name(name), p))
+        out.append((canonical_name(name), p))
     if not out:
         raise ConfigError("optimizer: the model has no trainable parameters")
     return out

@@ -32,17 +32,14 @@ class StepRecorder(Callback):
     """Writes ``step_metrics`` (loss, lr, grad norm, ...) of every optimizer step as JSON lines."""
 
     def __init__(self, path: str) -> None:
-        self.path, self._last = path, None
+        self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = pl_module.step_metrics
-        if not m or m.get("step") == self._last:
-            return
-        self._last = m["step"]
         if trainer.global_rank == 0:
-            row = {k: m[k] for k in ("step", "loss", "lr", "grad_norm", "consumed_samples", "aux_loss",
-                                     "mtp_loss", "skipped")}
-            row["loss_hex"] = float(m["loss"]).hex()
+            row = {k: getattr(m, k) for k in ("step", "loss", "lr", "grad_norm", "consumed_samples", "aux_loss",
+                                              "mtp_loss", "skipped")}
+            row["loss_hex"] = float(m.loss).hex()
             row["first_tokens"] = batch["input_ids"][0, :8].tolist()
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -50,16 +47,16 @@ class StepRecorder(Callback):
 
 class MoEAuxRecorder(Callback):
     """Per rank: each micro-batch's per-layer balancing loss as the MoE layers report it, and the
-    step's per-layer ``step_metrics["moe"]["aux_loss"]``, as JSON lines in ``{path}.rank{r}``."""
+    step's per-layer ``step_metrics.moe.aux_loss``, as JSON lines in ``{path}.rank{r}``."""
 
     def __init__(self, path: str) -> None:
         self.path, self.micro = path, []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_after_backward(self, trainer, pl_module) -> None:  # once per micro-batch
         self.micro.append([float(m.last_stats["aux_loss"]) for m in pl_module.model.moe_layers()])
-        if (batch_idx + 1) % pl_module.accumulation_steps:
-            return
-        row = {"micro": self.micro, "logged": pl_module.step_metrics["moe"]["aux_loss"].tolist(),
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # once per step
+        row = {"micro": self.micro, "logged": pl_module.step_metrics.moe.aux_loss.tolist(),
                "coeff": pl_module.model_config.moe_aux_loss_coeff}
         self.micro = []
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:

@@ -1,6 +1,6 @@
 """Callbacks driven by a real ``lightning.Trainer`` on CPU with a small fake LightningModule that
-behaves like ``LitMoE`` (manual optimization, one micro-batch per dataloader batch, StepGuards asked
-before clipping, ``step_metrics`` set after each optimizer step).
+behaves like ``LitMoE`` (manual optimization, one optimizer step per ``training_step(dataloader_iter)``,
+gradient observers and StepGuards asked before clipping, a frozen ``StepMetrics`` after each step).
 
 Expected numbers are computed by hand in the tests (routing counts, load imbalance, MFU), never taken
 from the callbacks' own output.
@@ -11,9 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import struct
 import time
-import zlib
 from types import SimpleNamespace
 
 import lightning as L
@@ -23,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_moe.callbacks import (GlobalNormSkipGuard, MoEMetrics, SkipLimitExceeded, StepGuard,
-                               StepLogger, ThroughputMFU, TrainStateMonitor, build_logger)
+from lit_moe.callbacks import (GlobalNormSkipGuard, GradientObserver, MoEMetrics, SkipLimitExceeded, StepGuard,
+                               StepLogger, StepMetrics, ThroughputMFU, TrainStateMonitor, build_logger)
+from lit_moe.callbacks.heatmap import png_size
+from lit_moe.step import MoEStepStats
 from lit_moe.config import ConfigError, MonitorConfig
 
 VOCAB, HIDDEN, SEQ, BATCH = 16, 8, 8, 2
@@ -76,7 +76,7 @@ class TinyModel(nn.Module):
 
 class FakeLitMoE(L.LightningModule):
     """Manual optimization like LitMoE. ``bad_steps``: {step: factor} multiplies that step's loss
-    (huge factor → huge norm, nan → NaN gradients). ``moe_fn(step)`` gives ``step_metrics["moe"]``."""
+    (huge factor → huge norm, nan → NaN gradients). ``moe_fn(step)`` gives ``step_metrics.moe``."""
 
     def __init__(self, accumulation_steps=2, steps=4, bad_steps=None, max_norm=1.0, moe_fn=None,
                  step_time=None, capacity=None, marker=False):
@@ -110,27 +110,31 @@ class FakeLitMoE(L.LightningModule):
         return DataLoader(TensorDataset(torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)),
                           batch_size=BATCH)
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, dataloader_iter):
+        # one optimizer step per call, as LitMoE: the A micro-batches, then observers → guards → update
         if self._t0 is None:
             self._t0 = time.perf_counter()
         opt, sched = self.optimizers(), self.lr_schedulers()
         step = self._done + 1
-        ids = batch[0]
-        ctx = (torch.profiler.record_function(f"fake_micro_{self._micro_index}") if self.marker
-               else torch.autograd.profiler.record_function("noop"))
-        with ctx:
-            logits = self.model(ids[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-            scaled = loss / self.accumulation_steps
-            if step in self.bad_steps:
-                scaled = scaled * self.bad_steps[step]
-            self.manual_backward(scaled)
-        self._micro_index += 1
-        self._micro_losses.append(float(scaled.detach()))
-        if (batch_idx + 1) % self.accumulation_steps:
-            return
+        for _ in range(self.accumulation_steps):
+            batch, _, _ = next(dataloader_iter)
+            ids = batch[0]
+            ctx = (torch.profiler.record_function(f"fake_micro_{self._micro_index}") if self.marker
+                   else torch.autograd.profiler.record_function("noop"))
+            with ctx:
+                logits = self.model(ids[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                scaled = loss / self.accumulation_steps
+                if step in self.bad_steps:
+                    scaled = scaled * self.bad_steps[step]
+                self.manual_backward(scaled)
+            self._micro_index += 1
+            self._micro_losses.append(float(scaled.detach()))
         params = [p for p in self.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, GradientObserver):
+                cb.on_gradients_before_clip(self.trainer, self, norm)
         guards = [cb for cb in self.trainer.callbacks if isinstance(cb, StepGuard)]
         skip = any([g.should_skip(self.trainer, self, norm) for g in guards])  # every guard is asked
         lr = opt.param_groups[0]["lr"]
@@ -145,11 +149,11 @@ class FakeLitMoE(L.LightningModule):
             opt.zero_grad(set_to_none=True)
         self._done += 1
         step_time = self.fixed_step_time or (time.perf_counter() - self._t0)
-        self.step_metrics = dict(
+        self.step_metrics = StepMetrics(
             step=self._done, loss=sum(self._micro_losses), grad_norm=float(norm), lr=lr, skipped=skip,
             skipped_steps=self._skipped, consumed_samples=self._done * BATCH * self.accumulation_steps,
             tokens=BATCH * self.accumulation_steps * SEQ, step_time=step_time, aux_loss=0.01 * step,
-            mtp_loss=None, micro_losses=list(self._micro_losses),
+            mtp_loss=None, micro_losses=tuple(self._micro_losses),
             moe=self.moe_fn(self._done) if self.moe_fn else None)
         self._micro_losses = []
         self._t0 = None
@@ -171,8 +175,14 @@ def tb_logger(tmp_path):
 
 
 def read_tb(logdir):
+    """The events of the latest run under a ``monitor.tensorboard.output_dir`` (its
+    ``lit_moe/version_<n>`` directory), or of ``logdir`` itself."""
+    from pathlib import Path
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    runs = sorted(Path(logdir).glob("lit_moe/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    logdir = runs[-1] if runs else logdir
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -191,11 +201,10 @@ class Snapshot(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = pl_module.step_metrics
-        if not m or m["step"] in self.states:
-            return
+        assert m.step not in self.states   # once per optimizer step
         opt = trainer.optimizers[0]
-        self.metrics[m["step"]] = dict(m)
-        self.states[m["step"]] = dict(
+        self.metrics[m.step] = m
+        self.states[m.step] = dict(
             params={k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             optim=copy.deepcopy(opt.state_dict()),
             sched=copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
@@ -243,11 +252,11 @@ def test_nan_gradients_are_skipped():
     snap = Snapshot()
     module = FakeLitMoE(steps=3, bad_steps={2: float("nan")})
     run(module, [GlobalNormSkipGuard(), snap])
-    assert math.isnan(snap.metrics[2]["grad_norm"]) and snap.metrics[2]["skipped"]
+    assert math.isnan(snap.metrics[2].grad_norm) and snap.metrics[2].skipped
     assert_same(snap.states[1]["params"], snap.states[2]["params"])
     assert_same(snap.states[1]["optim"], snap.states[2]["optim"])
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    assert module.step_metrics["skipped_steps"] == 1
+    assert module.step_metrics.skipped_steps == 1
 
 
 def test_more_than_skip_time_consecutive_skips_stop_the_run():
@@ -266,24 +275,24 @@ def test_consecutive_count_resets_after_a_healthy_step():
     module = FakeLitMoE(steps=6, bad_steps={2: nan, 3: nan, 5: nan, 6: nan})
     guard = GlobalNormSkipGuard(100.0, 2, None)
     run(module, [guard])
-    assert module.step_metrics["skipped_steps"] == 4 and guard.consecutive == 2
+    assert module.step_metrics.skipped_steps == 4 and guard.consecutive == 2
 
 
 def test_embedding_norm_threshold_skips_on_its_own():
     module = FakeLitMoE(steps=2)
     guard = GlobalNormSkipGuard(1e30, 10, embedding_local_norm_threshold=1e-12)
     run(module, [guard])
-    assert module.step_metrics["skipped_steps"] == 2
+    assert module.step_metrics.skipped_steps == 2
     module = FakeLitMoE(steps=2)
     run(module, [GlobalNormSkipGuard(1e30, 10, embedding_local_norm_threshold=None)])
-    assert module.step_metrics["skipped_steps"] == 0
+    assert module.step_metrics.skipped_steps == 0
 
 
 def test_guard_uses_pre_clip_norm():
     # max_norm 1 would clip a norm of ~1e3 down to 1; the guard must still see (and skip) 1e3.
     module = FakeLitMoE(steps=2, bad_steps={2: 1e5}, max_norm=1.0)
     run(module, [GlobalNormSkipGuard(50.0, 10, None)])
-    assert module.step_metrics["skipped"] and module.step_metrics["grad_norm"] > 50
+    assert module.step_metrics.skipped and module.step_metrics.grad_norm > 50
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -309,7 +318,7 @@ def test_step_scalars_vs_samples_config_text_and_interval(tmp_path, capsys):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             m = pl_module.step_metrics
             if m is not None:
-                seen[m["step"]] = dict(m)
+                seen[m.step] = m
 
     config = {"training": {"steps": 4, "global_batch_size": 4}, "model": {"hidden_size": HIDDEN}}
     run(module, [StepLogger(log_interval=2, total_steps=4, resolved_config=config), Record()],
@@ -318,8 +327,8 @@ def test_step_scalars_vs_samples_config_text_and_interval(tmp_path, capsys):
     loss = scalars(acc, "train/loss")
     assert sorted(loss) == [2, 4]
     for step in (2, 4):
-        assert loss[step] == pytest.approx(seen[step]["loss"], rel=1e-6)
-        assert scalars(acc, "train/lr")[step] == pytest.approx(seen[step]["lr"], rel=1e-6)
+        assert loss[step] == pytest.approx(seen[step].loss, rel=1e-6)
+        assert scalars(acc, "train/lr")[step] == pytest.approx(seen[step].lr, rel=1e-6)
         assert scalars(acc, "train/aux_loss")[step] == pytest.approx(0.01 * step, rel=1e-6)
     # the same value against consumed samples (BATCH * A = 4 samples per step)
     assert scalars(acc, "train/loss vs samples") == {8: loss[2], 16: loss[4]}
@@ -355,8 +364,8 @@ def test_local_norm_and_device_norm_are_per_micro_batch_and_accumulated(capsys):
     monitor.on_after_backward(trainer, pl_module)
     w.grad, other.grad = torch.tensor([3.0, 4.0]) + torch.tensor([6.0, 8.0]), 2 * torch.ones(3)
     monitor.on_after_backward(trainer, pl_module)                          # micro 1: |g1| = 10
-    assert monitor.should_skip(trainer, pl_module, torch.tensor(1.0)) is False
-    pl_module.step_metrics = {"step": 1, "loss": 0.5, "micro_losses": [0.2, 0.3]}
+    monitor.on_gradients_before_clip(trainer, pl_module, torch.tensor(1.0))
+    pl_module.step_metrics = SimpleNamespace(step=1, loss=0.5, micro_losses=(0.2, 0.3))
     monitor.on_train_batch_end(trainer, pl_module, None, None, 1)
     lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert lines[:4] == [{"step": 1, "micro_step": 0}, {"local_norm": "w: 5.0"},
@@ -389,13 +398,13 @@ ROUTING = [
 def handmade_moe(step):
     # What the module reports: counts summed over the 2 micro-batches.
     counts = torch.stack([torch.bincount(torch.tensor(r).flatten(), minlength=4) for r in ROUTING]) * 2
-    return {
-        "tokens_per_expert": counts,
-        "aux_loss": torch.tensor([0.5, 0.25, 0.125]),
-        "expert_bias": torch.tensor([[0.1, -0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [0.05, 0.05, 0.05, 0.05]]),
-        "dropped": torch.tensor([2, 0, 1]),
-        "assigned": torch.tensor([16, 16, 16]),
-    }
+    return MoEStepStats(
+        tokens_per_expert=counts,
+        aux_loss=torch.tensor([0.5, 0.25, 0.125]),
+        expert_bias=torch.tensor([[0.1, -0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [0.05, 0.05, 0.05, 0.05]]),
+        dropped=torch.tensor([2, 0, 1]),
+        assigned=torch.tensor([16, 16, 16]),
+    )
 
 
 def test_moe_metrics_match_handmade_routing(tmp_path, capsys):
@@ -426,44 +435,13 @@ def test_moe_metrics_match_handmade_routing(tmp_path, capsys):
     assert [e.step for e in acc.Images("moe/expert_load")] == [2, 4]
     assert "MoE drop rate step 1: layer1 0.1250, layer2 0.0000, layer3 0.0625" in capsys.readouterr().out
 
-    # the heatmap file: decode the PNG by hand and check its geometry and colours
+    # the heatmap files are the same pictures as the TensorBoard images (drawing and pixels:
+    # tests/test_dashboards.py)
     files = sorted(p.name for p in heatmaps.iterdir())
     assert files == ["expert_load_step00000002.png", "expert_load_step00000004.png"]
-    width, height, pixels = decode_png((heatmaps / files[0]).read_bytes())
-    cell_w, cell_h = width // 4, height // 3
-    assert width == 4 * cell_w and height == 3 * cell_h
-
-    def cell(row, expert):
-        return pixels[row * cell_h + cell_h // 2][expert * cell_w + cell_w // 2]
-
-    # load ratio 2 (max) is the top of the ramp, 1 (balanced) the middle, 0.5 a quarter, 0 the bottom
-    assert cell(0, 0) == (253, 231, 37)
-    assert cell(2, 1) == (33, 145, 140)
-    assert cell(0, 2) == (59, 82, 139)
-    assert cell(1, 0) == (68, 1, 84)
-
-
-def decode_png(data):
-    """Minimal PNG reader for 8-bit RGB, filter type 0 (what a heatmap writer should produce)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width = 8, b"", None
-    while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
-            assert (depth, colour) == (8, 2)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = 1 + 3 * width
-    rows = []
-    for y in range(height):
-        line = raw[y * stride:(y + 1) * stride]
-        assert line[0] == 0
-        rows.append([tuple(line[1 + 3 * x:4 + 3 * x]) for x in range(width)])
-    return width, height, rows
+    image = acc.Images("moe/expert_load")[0]
+    assert (heatmaps / files[0]).read_bytes() == image.encoded_image_string
+    assert image.width >= 400 and png_size(image.encoded_image_string) == (image.width, image.height)
 
 
 def test_moe_target_layers(tmp_path):
@@ -547,7 +525,7 @@ def test_skip_guard_consecutive_count_survives_a_resume():
     """The guard's counters are callback state (saved in checkpoints): after a resume in the middle of
     a run of skipped steps, the limit counts the skips from before the save too."""
     trainer = SimpleNamespace(is_global_zero=False, global_step=5)
-    pl_module = SimpleNamespace(step_metrics={"step": 5})
+    pl_module = SimpleNamespace(step_metrics=SimpleNamespace(step=5))
     before = GlobalNormSkipGuard(1.0, 2, None)
     assert before.should_skip(trainer, pl_module, torch.tensor(5.0)) is True
     assert before.should_skip(trainer, pl_module, torch.tensor(5.0)) is True

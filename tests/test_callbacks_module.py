@@ -45,27 +45,29 @@ class SkipStep(L.Callback):
         self.guard, self.step, self.normal = guard, step, guard.threshold
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        done = (pl_module.step_metrics or {}).get("step", 0)
+        done = pl_module.step_metrics.step if pl_module.step_metrics is not None else 0
         self.guard.threshold = 1e-12 if done + 1 == self.step else self.normal
 
 
 @pytest.mark.parametrize("accelerator", [
     "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))])
-def test_real_module_skipped_step_is_bit_identical_and_moe_counts_add_up(tmp_path, accelerator):
+def test_real_module_skipped_step_is_bit_identical_and_moe_counts_add_up(tmp_path, accelerator,
+                                                                        one_process_strategy):
     steps = 3
     guard = GlobalNormSkipGuard(100.0, 10, None)
     snap = Snapshot()
     monitor = MonitorConfig()
     monitor.tensorboard.output_dir = str(tmp_path / "tb")
     module = tiny_module(steps)
-    trainer = L.Trainer(accelerator=accelerator, devices=1, max_epochs=1, limit_train_batches=2 * steps,
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=one_process_strategy(), max_epochs=1,
+                        limit_train_batches=2 * steps,
                         logger=build_logger(monitor), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[SkipStep(guard, 2), guard, ThroughputMFU(), MoEMetrics(),
                                    StepLogger(), snap])
     trainer.fit(module, loader(steps))
     s = snap.states
-    assert [snap.metrics[k]["skipped"] for k in (1, 2, 3)] == [False, True, False]
+    assert [snap.metrics[k].skipped for k in (1, 2, 3)] == [False, True, False]
     # parameters, expert biases, AdamW moments and step counts, and the LR schedule: untouched
     assert_same(s[1]["params"], s[2]["params"])
     assert_same(s[1]["optim"], s[2]["optim"])
@@ -77,11 +79,11 @@ def test_real_module_skipped_step_is_bit_identical_and_moe_counts_add_up(tmp_pat
     # every token picks num_experts_per_tok = 2 experts in each MoE layer (decoder layer 1 and the
     # MTP layer, block 2): per step 2 micro-batches × 2 samples × 16 tokens × 2 = 128 assignments
     for step in (1, 2, 3):
-        moe = snap.metrics[step]["moe"]
-        assert moe["tokens_per_expert"].sum(dim=1).tolist() == [128.0, 128.0]
+        moe = snap.metrics[step].moe
+        assert moe.tokens_per_expert.sum(dim=1).tolist() == [128.0, 128.0]
     tags = acc.Tags()["scalars"]
     assert "moe/layer1/load_imbalance" in tags and "moe/layer2/load_imbalance" in tags
-    counts = moe["tokens_per_expert"]
+    counts = moe.tokens_per_expert
     assert scalars(acc, "moe/layer2/load_imbalance")[3] == pytest.approx(
         float(counts[1].max() / counts[1].mean()), rel=1e-6)
 
@@ -94,10 +96,9 @@ class RecordSteps(L.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        m = pl_module.step_metrics
-        if m and (batch_idx + 1) % pl_module.accumulation_steps == 0:
-            with open(self.path, "a") as f:
-                f.write(f"{m['step']} {m['skipped']}\\n")
+        m = pl_module.step_metrics            # once per optimizer step
+        with open(self.path, "a") as f:
+            f.write(f"{m.step} {m.skipped}\\n")
 '''
 
 
@@ -126,7 +127,7 @@ def test_cli_skip_limit_stops_with_one_line_and_no_checkpoint_of_the_bad_step(tm
 
 
 class SlowDataAndRecordAux(L.Callback):
-    """Sleeps before every micro-batch (as slow data loading would) and records each micro-batch's
+    """Sleeps before every step (as slow data loading would) and records each micro-batch's
     per-layer balancing loss as the MoE layers report it."""
 
     def __init__(self, pause: float):
@@ -136,24 +137,25 @@ class SlowDataAndRecordAux(L.Callback):
         import time
         time.sleep(self.pause)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_after_backward(self, trainer, pl_module):
         self.aux.append([float(m.last_stats["aux_loss"]) for m in pl_module.model.moe_layers()])
 
 
-def test_step_time_is_wall_time_and_layer_aux_is_the_step_mean(tmp_path):
-    """``step_time`` covers data fetching and callbacks (2 micro-batches x 0.2 s of sleep per step),
+def test_step_time_is_wall_time_and_layer_aux_is_the_step_mean(tmp_path, one_process_strategy):
+    """``step_time`` covers data fetching and callbacks (0.4 s of sleep before every step),
     and the per-layer ``moe.aux_loss`` is the mean over the step's micro-batches without the
     coefficient."""
-    steps, pause = 2, 0.2
+    steps, pause = 2, 0.4
     module = tiny_module(steps)
     rec, snap = SlowDataAndRecordAux(pause), Snapshot()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2 * steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_epochs=1,
+                        limit_train_batches=2 * steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[rec, snap])
     trainer.fit(module, loader(steps))
     coeff = module.model_config.moe_aux_loss_coeff
     for step in (1, 2):
         m = snap.metrics[step]
-        assert m["step_time"] >= 2 * pause
+        assert m.step_time >= pause
         micro = torch.tensor(rec.aux[2 * (step - 1): 2 * step], dtype=torch.float64)   # [2, layers]
-        torch.testing.assert_close(m["moe"]["aux_loss"], micro.mean(0) / coeff, rtol=1e-6, atol=0)
+        torch.testing.assert_close(m.moe.aux_loss, micro.mean(0) / coeff, rtol=1e-6, atol=0)

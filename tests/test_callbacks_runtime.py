@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_moe.callbacks import (CPUAffinity, GlobalNormSkipGuard, MoEMetrics, StepLogger, StepProfiler,
+from lit_moe.callbacks import (CPUAffinity, GlobalNormSkipGuard, LoggerBridge, MoEMetrics, StepLogger, StepProfiler,
                                ThroughputMFU, TrainStateMonitor, build_callbacks, load_callbacks,
                                merge_callbacks, parse_cpu_list, plan_affinity)
 from lit_moe.config import (AffinityConfig, ConfigError, ContextConfig, MonitorConfig, ProfilerConfig)
@@ -106,10 +106,13 @@ AFFINITY_SCRIPT = textwrap.dedent("""
     class Module(FakeLitMoE):
         def train_dataloader(self):
             return DataLoader(Where(), batch_size=1, num_workers=1, multiprocessing_context="fork")
-        def training_step(self, batch, idx):
-            self.seen.append(batch[0].tolist())
-            self.main_cpus = sorted(os.sched_getaffinity(0))
-            return super().training_step((torch.zeros(2, 9, dtype=torch.long),), idx)
+        def training_step(self, dataloader_iter):
+            def record():
+                for batch, idx, dl in dataloader_iter:
+                    self.seen.append(batch[0].tolist())
+                    self.main_cpus = sorted(os.sched_getaffinity(0))
+                    yield (torch.zeros(2, 9, dtype=torch.long),), idx, dl
+            return super().training_step(record())
 
     m = Module(steps=1)
     m.seen = []
@@ -140,16 +143,13 @@ USER_MODULE = textwrap.dedent("""
 
     class CountSteps(L.Callback):
         def __init__(self, path, every=1):
-            self.path, self.every, self.last = path, every, None
+            self.path, self.every = path, every
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            m = pl_module.step_metrics
-            if not m or m["step"] == self.last:
-                return
-            self.last = m["step"]
-            if m["step"] % self.every == 0:
+            m = pl_module.step_metrics            # once per optimizer step
+            if m.step % self.every == 0:
                 with open(self.path, "a") as f:
-                    f.write(f"{m['step']} {m['loss']:.6f}\\n")
+                    f.write(f"{m.step} {m.loss:.6f}\\n")
 """)
 
 
@@ -172,7 +172,7 @@ def test_user_callback_from_yaml_class_path_runs(tmp_path):
     run(module, callbacks[:1])
     lines = log.read_text().splitlines()
     assert [int(l.split()[0]) for l in lines] == [2, 4]
-    assert float(lines[-1].split()[1]) == pytest.approx(module.step_metrics["loss"], abs=1e-6)
+    assert float(lines[-1].split()[1]) == pytest.approx(module.step_metrics.loss, abs=1e-6)
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -203,17 +203,18 @@ def test_build_callbacks_wiring(tmp_path):
     cbs = build_callbacks(monitor, profiler, context, None, 16, {"training": {"steps": 7}})
     types = [type(c) for c in cbs]
     assert types == [CPUAffinity, StepProfiler, TrainStateMonitor, GlobalNormSkipGuard, ThroughputMFU,
-                     MoEMetrics, StepLogger]
+                     MoEMetrics, StepLogger, LoggerBridge]
     guard = cbs[3]
     assert (guard.threshold, guard.max_consecutive, guard.embedding_threshold) == (100.0, 10, 100.0)
-    assert cbs[-1].total_steps == 7
-    assert cbs[5].heatmap_dir == os.path.join(str(tmp_path / "tb"), "expert_load")
+    assert cbs[6].total_steps == 7
+    # heatmap PNGs go into the TensorBoard run's own directory, found when training starts
+    assert cbs[5].heatmap_dir is None and cbs[5].heatmap_in_log_dir
     # a user ThroughputMFU with a peak replaces the built-in and keeps its FLOPs per token
     cbs[4].flops_per_token = 123.0
     user = ThroughputMFU(peak_flops=5e14)
     merged = merge_callbacks(cbs, [user, StepLogger()])
     assert merged[4] is user and user.flops_per_token == 123.0 and user.peak_flops == 5e14
-    assert isinstance(merged[-1], StepLogger) and merged[-1] is not cbs[-1] and len(merged) == 7
+    assert isinstance(merged[6], StepLogger) and merged[6] is not cbs[6] and len(merged) == 8
 
 
 def test_build_callbacks_rejects_bad_sections():

@@ -29,19 +29,20 @@ class StepProbe(Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.batches: list[str] = []
-        self.last = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def record(module, args, kwargs):  # every micro-batch's tokens, as the model receives them
+            ids = kwargs["input_ids"].detach().cpu().contiguous()
+            self.batches.append(hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16])
+
+        pl_module.model.register_forward_pre_hook(record, with_kwargs=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        ids = batch["input_ids"].detach().cpu().contiguous()
-        self.batches.append(hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16])
-        m = getattr(pl_module, "step_metrics", None) or {}
-        if m.get("step") is None or m["step"] == self.last:
-            return
-        self.last = m["step"]
+        m = pl_module.step_metrics  # once per optimizer step
         if trainer.is_global_zero:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": m["step"], "loss": repr(m["loss"]), "lr": repr(m["lr"]),
-                                    "consumed": m.get("consumed_samples"), "batches": self.batches}) + "\n")
+                f.write(json.dumps({"step": m.step, "loss": repr(m.loss), "lr": repr(m.lr),
+                                    "consumed": m.consumed_samples, "batches": self.batches}) + "\n")
         self.batches = []
 
 

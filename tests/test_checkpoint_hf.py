@@ -60,7 +60,7 @@ def _yaml(tmp_path: Path, model: dict) -> Path:
 
 
 def test_convert_hf_matches_transformers_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the judge: a hard test dependency (pyproject [test])
     from lit_moe.checkpoint.convert_hf import main
 
     model = _model()
@@ -96,7 +96,7 @@ def test_convert_hf_wrong_config_names_tensors(tmp_path, capsys):
 
 def test_hf_directory_as_load_path(tmp_path):
     from lit_moe.checkpoint import CheckpointError, resolve_load
-    from lit_moe.checkpoint.hf import save_pretrained
+    from lit_moe.model.hf import save_pretrained
     from lit_moe.config import CheckpointConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 

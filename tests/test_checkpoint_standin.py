@@ -153,7 +153,7 @@ def fit(argv: list[str]) -> list[dict]:
             self.automatic_optimization = False
             self.weights_loader = weights_loader
             self.model = None
-            self.micro, self.loss_acc, self.samples = 0, 0.0, []
+            self.loss_acc, self.samples = 0.0, []
 
         def configure_model(self):
             if self.model is not None:
@@ -179,29 +179,31 @@ def fit(argv: list[str]) -> list[dict]:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / TOTAL)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-        def training_step(self, batch, batch_idx):
+        def training_step(self, dataloader_iter):
+            # one optimizer step per call, as LitMoE: ACCUM micro-batches, then the update
             if args.raise_at and self.trainer.global_step + 1 == args.raise_at:
                 raise StandInFailure(f"failure in step {args.raise_at}")
             opt, sched = self.optimizers(), self.lr_schedulers()
-            loss = self.model(batch["x"], batch["y"])
-            self.manual_backward(loss / ACCUM)
-            self.loss_acc += float(loss) / ACCUM
-            self.samples += batch["idx"].tolist()
-            self.micro += 1
-            if self.micro == ACCUM:
-                if dist.is_initialized():
-                    t = torch.tensor(self.loss_acc, dtype=torch.float64)
-                    dist.all_reduce(t)
-                    self.loss_acc = float(t) / dist.get_world_size()
-                lr = opt.param_groups[0]["lr"]
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                with torch.no_grad():
-                    self.model.expert_bias += 0.01 * torch.sign(torch.tensor(self.loss_acc - 3.4))
-                emit({"step": self.trainer.global_step, "loss": repr(self.loss_acc), "lr": repr(lr),
-                      "samples": self.samples, "rand": repr(torch.rand(()).item())})
-                self.micro, self.loss_acc, self.samples = 0, 0.0, []
+            for _ in range(ACCUM):
+                batch, _, _ = next(dataloader_iter)
+                batch = self.trainer.strategy.batch_to_device(batch)
+                loss = self.model(batch["x"], batch["y"])
+                self.manual_backward(loss / ACCUM)
+                self.loss_acc += float(loss) / ACCUM
+                self.samples += batch["idx"].tolist()
+            if dist.is_initialized():
+                t = torch.tensor(self.loss_acc, dtype=torch.float64)
+                dist.all_reduce(t)
+                self.loss_acc = float(t) / dist.get_world_size()
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                self.model.expert_bias += 0.01 * torch.sign(torch.tensor(self.loss_acc - 3.4))
+            emit({"step": self.trainer.global_step, "loss": repr(self.loss_acc), "lr": repr(lr),
+                  "samples": self.samples, "rand": repr(torch.rand(()).item())})
+            self.loss_acc, self.samples = 0.0, []
 
     cfg = CheckpointConfig(enable_save=bool(args.save_path), save_path=args.save_path or "unused",
                            save_interleaved_steps=args.interval, save_max=args.save_max, prefix=args.prefix or None,
@@ -215,12 +217,22 @@ def fit(argv: list[str]) -> list[dict]:
     torch.use_deterministic_algorithms(True)
     try:
         callbacks = [cb for cb in [build_checkpoint_callback(cfg)] if cb is not None]
-        if args.strategy == "single":
-            strategy = "auto"
-        else:
-            from lightning.pytorch.strategies import ModelParallelStrategy
+        # Resuming from iteration directories is the strategy's own loader hooks (IterationResume).
+        from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
-            strategy = ModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=args.devices // DP)
+        from lit_moe.checkpoint.resume import IterationResume
+
+        if args.strategy == "single":
+            class Strategy(IterationResume, SingleDeviceStrategy):
+                pass
+
+            strategy = Strategy(device=torch.device("cuda:0" if args.accelerator == "gpu" else "cpu"))
+        else:
+            class Strategy(IterationResume, ModelParallelStrategy):
+                pass
+
+            strategy = Strategy(data_parallel_size=DP, tensor_parallel_size=args.devices // DP)
+        strategy.checkpoint_config = cfg
         trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.max_steps,
                              max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, callbacks=callbacks, num_sanity_val_steps=0,

@@ -10,8 +10,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from lit_moe.data import build_datasets
-from lit_moe.data.builtin import build_builtin, builtin_documents, builtin_tokenizer_path
-from lit_moe.data.tokenizer import CORPUS_DIR
+from lit_moe.data.builtin import build_builtin, builtin_documents
+from lit_moe.data.catalog import builtin_tokenizer_path
+from lit_moe.data.catalog import CORPUS_DIR
 from test_data_support import megatron
 
 

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # the judge: a hard test dependency (pyproject [test])
 
-from lit_moe.checkpoint.hf import HFCheckpointError  # noqa: E402
+from lit_moe.model.hf import HFCheckpointError  # noqa: E402
 from lit_moe.model import DeepseekV3ForCausalLM  # noqa: E402
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -62,7 +62,7 @@ def test_logits_match_transformers(tmp_path, q_lora):
 
 
 def test_reads_a_checkpoint_written_by_transformers(tmp_path):
-    from lit_moe.checkpoint.hf import hf_config_dict
+    from lit_moe.model.hf import hf_config_dict
     from lit_moe.model import DeepseekV3Config
 
     cfg = hf_config_dict(DeepseekV3Config(**{**CFG, "q_lora_rank": None}))

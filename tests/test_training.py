@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from helpers import ROOT, run_cli, tiny_config, write_config
 
@@ -66,3 +68,105 @@ def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path):
     state = common["trainer_state"]
     assert state["global_step"] == 1
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed_samples": 4}]
+
+
+class _CountHooks(L.Callback):
+    """Which micro-batches (their first token) each optimizer step trained on, and how often the
+    per-step and per-micro-batch hooks fire."""
+
+    def __init__(self):
+        self.steps, self.micro, self.backwards, self.batch_ends = [], [], 0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.model.register_forward_pre_hook(
+            lambda mod, args, kwargs: self.micro.append(int(kwargs["input_ids"][0, 0])), with_kwargs=True)
+
+    def on_after_backward(self, trainer, pl_module):
+        self.backwards += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batch_ends += 1
+        assert pl_module.step_metrics.step == trainer.global_step == self.batch_ends
+        self.steps.append(self.micro)
+        self.micro = []
+
+
+def test_on_train_batch_end_fires_once_per_optimizer_step_and_steps_span_epochs(one_process_strategy):
+    """A = 3 micro-batches per step from an epoch of 8: ``training_step`` is one optimizer step, so the
+    per-step hook fires once per step (after 3 backward passes), and a step whose epoch ran out goes on
+    with the first micro-batches of the next epoch, as micro-batch-per-call training did."""
+    from test_callbacks_module import SEQ, VOCAB, tiny_module
+
+    module = tiny_module(steps=4)
+    module.accumulation_steps = 3
+    ids = torch.arange(8)[:, None].expand(8, SEQ + 1) % VOCAB          # micro-batch k starts with token k
+    data = DataLoader([{"input_ids": r[:-1], "labels": r[1:]} for r in ids], batch_size=1)
+    hooks = _CountHooks()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_steps=4,
+                        max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        callbacks=[hooks])
+    trainer.fit(module, data)
+    assert hooks.batch_ends == 4 and hooks.backwards == 12
+    assert hooks.steps == [[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]]
+
+
+def test_one_real_step_is_the_hand_computed_clipped_adamw_update(one_process_strategy):
+    """The module's step (A = 2: gradients of objective / A summed, global-norm clipping, AdamW with its
+    parameter groups, the LR schedule) against the update written out by hand from plain autograd."""
+    from torch.distributed.tensor import DTensor
+
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.step import GradientObserver
+    from test_callbacks_module import loader, tiny_module
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    peak, max_norm, eps, (b1, b2) = 1e-2, 0.05, 1e-8, (0.9, 0.95)
+
+    class Before(GradientObserver):
+        def on_gradients_before_clip(self, trainer, pl_module, grad_norm):
+            opt = trainer.optimizers[0]
+            group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+            self.state = {n: (full(p), full(p.grad), group_of[id(p)]["weight_decay"], group_of[id(p)]["lr"])
+                          for n, p in pl_module.model.named_parameters()}
+            self.norm = float(grad_norm)
+
+    module = tiny_module(steps=4)
+    module.training_config.max_norm = max_norm
+    module.lr_scheduler_section = {"type": "CosineWithWarmUpLR", "learning_rate": peak, "warmup_steps": 0,
+                                   "lr_end": 0.0}
+    module.optimizer_section = {"type": "AdamW", "betas": [b1, b2], "eps": eps, "weight_decay": 0.1}
+    before = Before()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_steps=1, max_epochs=-1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        callbacks=[before])
+    data = loader(steps=1)
+    trainer.fit(module, data)
+    after = {n: full(p) for n, p in module.model.named_parameters()}
+
+    # gradients by plain autograd: the same initial weights, sum over the 2 micro-batches of objective / 2
+    ref = DeepseekV3ForCausalLM(module.model_config)
+    ref.init_weights(module.training_config.seed)
+    for batch in data:
+        out = ref(**batch)
+        ((out.loss + out.aux_loss + out.mtp_loss) / 2).backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert grads.keys() == before.state.keys() and len(grads) > 20
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))
+    assert before.norm == pytest.approx(float(norm), rel=1e-5)
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    assert coef < 0.5                                                 # clipping really acts
+    decays = set()
+    for n, (p0, g, wd, lr) in before.state.items():
+        torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-7, msg=n)
+        assert lr == peak                                             # cosine at step 0, no warm-up
+        decays.add(wd)
+        g = grads[n].double() * coef
+        # AdamW's first step: m̂ = g, v̂ = g², so the update is lr·g/(|g| + eps), after decoupled decay
+        expected = p0.double() * (1 - lr * wd) - lr * g / (g.abs() + eps)
+        torch.testing.assert_close(after[n].double(), expected, rtol=1e-5, atol=1e-8, msg=n)
+    assert decays == {0.0, 0.1}                                       # both parameter groups present
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1  # the schedule stepped once

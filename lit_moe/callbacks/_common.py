@@ -1,9 +1,9 @@
-"""Small helpers shared by the callbacks: reading the module's per-step metrics, ranks, printing,
-DTensor-aware norms and TensorBoard writing.
+"""Small helpers shared by the callbacks: steps done, printing, DTensor-aware norms and TensorBoard
+writing.
 
-The LightningModule (``lit_moe/module.py``) uses manual optimization: every dataloader batch is one
-micro-batch, and after the optimizer step (the A-th micro-batch) it sets ``pl_module.step_metrics``.
-Callbacks read that dict in ``on_train_batch_end`` and act only when its ``"step"`` changed.
+The LightningModule (``lit_moe/module.py``) runs one optimizer step per ``training_step`` and then
+sets ``pl_module.step_metrics`` (a frozen :class:`lit_moe.step.StepMetrics`); callbacks read it in
+``on_train_batch_end``, which fires once per optimizer step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from lit_moe.config import ConfigError
 
@@ -21,31 +20,13 @@ from lit_moe.config import ConfigError
 # ----------------------------------------------------------------------------------------------
 # step metrics
 # ----------------------------------------------------------------------------------------------
-class StepWatcher:
-    """Mixin: ``new_step_metrics(pl_module)`` returns the module's ``step_metrics`` once per
-    optimizer step (None on the other micro-batches)."""
-
-    _last_seen_step: Optional[int] = None
-
-    def new_step_metrics(self, pl_module: Any) -> Optional[dict]:
-        metrics = getattr(pl_module, "step_metrics", None)
-        if not metrics or metrics.get("step") is None:
-            return None
-        step = int(metrics["step"])
-        if step == self._last_seen_step:
-            return None
-        self._last_seen_step = step
-        return metrics
-
-
 def steps_done(trainer: Any, pl_module: Any) -> int:
-    """Optimizer steps completed so far (skipped steps included when the module counts them).
-
-    ``step_metrics["step"]`` is authoritative; before the first step of this run we fall back to
-    ``trainer.global_step`` (which Lightning restores on resume and counts real optimizer steps)."""
+    """Optimizer steps completed so far, skipped steps included: the module's last
+    ``step_metrics.step``, or before the first step of this run ``trainer.global_step`` (which
+    Lightning restores on resume)."""
     metrics = getattr(pl_module, "step_metrics", None)
-    if metrics and metrics.get("step") is not None:
-        return int(metrics["step"])
+    if metrics is not None:
+        return int(metrics.step)
     return int(getattr(trainer, "global_step", 0) or 0)
 
 
@@ -56,19 +37,15 @@ def is_log_step(step: int, interval: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # ranks and printing
 # ----------------------------------------------------------------------------------------------
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def emit(line: str, *, error: bool = False) -> None:
     """Print one line (stdout, or stderr for warnings) and flush, so that lines of concurrent
-    ranks are not interleaved mid-line."""
+    ranks are not interleaved mid-line. Through ``tqdm.write``: on a terminal the line appears above
+    the progress bar instead of through it."""
+    from tqdm import tqdm
+
     stream = sys.stderr if error else sys.stdout
-    print(line, file=stream, flush=True)
+    tqdm.write(line, file=stream)
+    stream.flush()
 
 
 def fmt(value: Optional[float], spec: str = ".6f") -> str:
@@ -109,16 +86,12 @@ def to_float(value: Any) -> Optional[float]:
 # TensorBoard
 # ----------------------------------------------------------------------------------------------
 def tb_writer(trainer: Any) -> Any:
-    """The SummaryWriter of the run's TensorBoardLogger, on global rank 0 only (None elsewhere or
-    when TensorBoard is off)."""
-    if not getattr(trainer, "is_global_zero", True):
-        return None
-    from lightning.pytorch.loggers import TensorBoardLogger
+    """What callbacks write to, on global rank 0 only (None elsewhere or with no logger at all):
+    TensorBoard's SummaryWriter, behind :func:`lit_moe.callbacks.loggers.metrics_writer` so that
+    scalars also reach the ``trainer.logger`` loggers."""
+    from lit_moe.callbacks.loggers import metrics_writer
 
-    for logger in getattr(trainer, "loggers", None) or []:
-        if isinstance(logger, TensorBoardLogger):
-            return logger.experiment
-    return None
+    return metrics_writer(trainer)
 
 
 def add_scalar(writer: Any, tag: str, value: Optional[float], step: int,
@@ -140,9 +113,12 @@ def add_png(writer: Any, tag: str, png: bytes, height: int, width: int, step: in
         from tensorboardX.proto.summary_pb2 import Summary
     else:
         from tensorboard.compat.proto.summary_pb2 import Summary
+    file_writer = writer._get_file_writer()
+    if file_writer is None:   # scalars-only loggers: images stay in TensorBoard
+        return
     image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
     summary = Summary(value=[Summary.Value(tag=tag, image=image)])
-    writer._get_file_writer().add_summary(summary, step)
+    file_writer.add_summary(summary, step)
 
 
 def check_log_interval(value: Any, field: str = "monitor.tensorboard.log_interval") -> int:

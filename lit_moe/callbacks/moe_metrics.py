@@ -1,11 +1,11 @@
 """MoE routing metrics (``monitor.moe_monitor``) and the drop-rate line of graph mode's
 ``MoEDropRateCallback`` (seed 003).
 
-Input: ``step_metrics["moe"]`` from the module, already reduced over micro-batches and dp×cp ranks
-(all CPU tensors, one row per MoE layer in ``model.moe_layers()`` order, MTP layers included):
-``tokens_per_expert [L, E]``, ``aux_loss [L]`` (without the coefficient), ``expert_bias [L, E]``
-(after the update), ``dropped [L]`` and ``assigned [L]`` (token-expert assignments dropped by the
-capacity / routed).
+Input: ``step_metrics.moe`` (:class:`lit_moe.step.MoEStepStats`) from the module, already reduced
+over micro-batches and data-parallel ranks (all CPU tensors, one row per MoE layer in
+``model.moe_layers()`` order, MTP layers included): ``tokens_per_expert [L, E]``, ``aux_loss [L]``
+(without the coefficient), ``expert_bias [L, E]`` (after the update), ``dropped [L]`` and
+``assigned [L]`` (token-expert assignments dropped by the capacity / routed).
 
 Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N.., the ids that
 ``recompute`` uses), every ``log_interval`` steps:
@@ -15,8 +15,9 @@ Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N..
 ``moe/drop_rate`` (all layers). Every ``save_tokens_per_expert_interval`` steps (default 50; the
 per-expert series are layers × experts scalars, too many to write every step for a large model):
 ``moe/layer{i}/tokens_per_expert/expert{e}`` and the expert-load heatmap (image ``moe/expert_load``
-and ``<heatmap_dir>/expert_load_step{N:08d}.png``; rows = reported layers, columns = experts,
-colour = tokens / layer mean).
+and ``<heatmap_dir>/expert_load_step{N:08d}.png``, drawn by :mod:`lit_moe.callbacks.heatmap`; rows =
+reported layers, columns = experts, colour = tokens / layer mean). The built-in run puts the PNG
+files in the TensorBoard run's own directory (``<output_dir>/<name>/version_<n>/expert_load``).
 """
 
 from __future__ import annotations
@@ -28,28 +29,27 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
-from lit_moe.callbacks.heatmap import encode_png, heatmap_image
+from lit_moe.callbacks._common import add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
+from lit_moe.callbacks.heatmap import png_size, render_heatmap
+from lit_moe.step import MoEStepStats, StepMetrics
 
 DEFAULT_EXPERT_INTERVAL = 50
 
 
-def layer_stats(moe: dict, row: int) -> dict[str, Optional[float]]:
+def layer_stats(moe: MoEStepStats, row: int) -> dict[str, Optional[float]]:
     """The scalar metrics of one MoE layer (row of the ``moe`` tensors)."""
-    counts = moe["tokens_per_expert"][row].detach().double()
+    counts = moe.tokens_per_expert[row].detach().double()
     mean = float(counts.mean())
     out: dict[str, Optional[float]] = {
         "load_imbalance": float(counts.max()) / mean if mean > 0 else None,
     }
-    if moe.get("aux_loss") is not None:
-        out["aux_loss"] = float(moe["aux_loss"][row])
-    if moe.get("expert_bias") is not None:
-        bias = moe["expert_bias"][row].detach().double()
-        out["expert_bias_mean"] = float(bias.mean())
-        out["expert_bias_max_abs"] = float(bias.abs().max())
-    if moe.get("dropped") is not None and moe.get("assigned") is not None:
-        assigned = float(moe["assigned"][row])
-        out["drop_rate"] = float(moe["dropped"][row]) / assigned if assigned > 0 else None
+    if moe.aux_loss is not None:
+        out["aux_loss"] = float(moe.aux_loss[row])
+    bias = moe.expert_bias[row].detach().double()
+    out["expert_bias_mean"] = float(bias.mean())
+    out["expert_bias_max_abs"] = float(bias.abs().max())
+    assigned = float(moe.assigned[row])
+    out["drop_rate"] = float(moe.dropped[row]) / assigned if assigned > 0 else None
     return out
 
 
@@ -92,7 +92,7 @@ def _check_interval(value: Any, field: str) -> Optional[int]:
     return value
 
 
-class MoEMetrics(Callback, StepWatcher):
+class MoEMetrics(Callback):
     """Per-layer MoE scalars, per-expert token counts, the expert-load heatmap and the drop-rate line.
 
     Args:
@@ -100,12 +100,15 @@ class MoEMetrics(Callback, StepWatcher):
         save_tokens_per_expert_interval: per-expert counts and heatmap every N steps (None: 50).
         target_layers: None (all MoE layers), an int (the first N MoE layers) or a list of block ids.
         heatmap_dir: where the heatmap PNGs go (None: TensorBoard image only).
+        heatmap_in_log_dir: with no ``heatmap_dir``, put the PNGs in ``expert_load`` inside the
+            TensorBoard logger's run directory (name/version), found when training starts.
         drop_rate: report drop rates; None decides from the model config (a capacity is set).
     """
 
     def __init__(self, log_interval: int = 1, save_tokens_per_expert_interval: Optional[int] = None,
                  target_layers: Union[None, int, list[int]] = None,
-                 heatmap_dir: Optional[str] = None, drop_rate: Optional[bool] = None) -> None:
+                 heatmap_dir: Optional[str] = None, drop_rate: Optional[bool] = None,
+                 heatmap_in_log_dir: bool = False) -> None:
         field = "monitor.moe_monitor"
         self.log_interval = check_log_interval(log_interval, "MoEMetrics.log_interval")
         self.expert_interval = (_check_interval(save_tokens_per_expert_interval,
@@ -122,6 +125,7 @@ class MoEMetrics(Callback, StepWatcher):
                                   f"layers) or a list of layer ids >= 0, got {target_layers!r}")
         self.target_layers = target_layers
         self.heatmap_dir = heatmap_dir
+        self.heatmap_in_log_dir = heatmap_in_log_dir
         self.drop_rate = drop_rate
         self._rows: Optional[list[int]] = None   # rows of the moe tensors to report
         self._names: Optional[list[str]] = None  # their layer names
@@ -144,6 +148,11 @@ class MoEMetrics(Callback, StepWatcher):
             self.drop_rate = capacity_is_set(pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.heatmap_dir is None and self.heatmap_in_log_dir:
+            from lit_moe.callbacks.loggers import tensorboard_log_dir
+
+            log_dir = tensorboard_log_dir(trainer)
+            self.heatmap_dir = str(Path(log_dir) / "expert_load") if log_dir else None
         model = getattr(pl_module, "model", None)
         if hasattr(model, "moe_layers"):
             n = len(list(model.moe_layers()))
@@ -152,18 +161,18 @@ class MoEMetrics(Callback, StepWatcher):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        m = self.new_step_metrics(pl_module)
-        if m is None or not m.get("moe"):
+        m: StepMetrics = pl_module.step_metrics
+        if m.moe is None:
             return
-        moe, step = m["moe"], int(m["step"])
+        moe, step = m.moe, m.step
         if self._rows is None:
-            self._select(pl_module, moe["tokens_per_expert"].shape[0])
+            self._select(pl_module, moe.tokens_per_expert.shape[0])
         logged = is_log_step(step, self.log_interval)
         experts_due = is_log_step(step, self.expert_interval)
         if not (logged or experts_due) or not trainer.is_global_zero:
             return
         writer = tb_writer(trainer)
-        samples = m.get("consumed_samples")
+        samples = m.consumed_samples
         stats = [layer_stats(moe, r) for r in self._rows]
         if logged:
             for name, st in zip(self._names, stats):
@@ -173,27 +182,27 @@ class MoEMetrics(Callback, StepWatcher):
             imbalances = [st["load_imbalance"] for st in stats if st["load_imbalance"] is not None]
             if imbalances:
                 add_scalar(writer, "moe/max_load_imbalance", max(imbalances), step, samples)
-            if self.drop_rate and moe.get("dropped") is not None:
-                dropped = float(moe["dropped"][self._rows].sum())
-                assigned = float(moe["assigned"][self._rows].sum())
+            if self.drop_rate:
+                dropped = float(moe.dropped[self._rows].sum())
+                assigned = float(moe.assigned[self._rows].sum())
                 if assigned > 0:
                     add_scalar(writer, "moe/drop_rate", dropped / assigned, step, samples)
                 emit(f"MoE drop rate step {step}: " + ", ".join(
                     f"{name} {st['drop_rate']:.4f}" if st.get("drop_rate") is not None else f"{name} n/a"
                     for name, st in zip(self._names, stats)))
         if experts_due and writer is not None:
-            tpe = moe["tokens_per_expert"]
+            tpe = moe.tokens_per_expert
             for name, r in zip(self._names, self._rows):
                 for e, count in enumerate(tpe[r].tolist()):
                     writer.add_scalar(f"moe/{name}/tokens_per_expert/expert{e}", float(count),
                                       global_step=step)
         if experts_due and (writer is not None or self.heatmap_dir):
-            self.write_heatmap(writer, moe["tokens_per_expert"][self._rows], step)
+            self.write_heatmap(writer, moe.tokens_per_expert[self._rows], step)
 
     def write_heatmap(self, writer: Any, tokens_per_expert: torch.Tensor, step: int) -> Optional[Path]:
-        image = heatmap_image(tokens_per_expert)
-        png = encode_png(image)
-        add_png(writer, "moe/expert_load", png, image.shape[0], image.shape[1], step)
+        png = render_heatmap(tokens_per_expert, self._names, step)
+        width, height = png_size(png)
+        add_png(writer, "moe/expert_load", png, height, width, step)
         if not self.heatmap_dir:
             return None
         path = Path(self.heatmap_dir) / f"expert_load_step{step:08d}.png"

@@ -1,7 +1,7 @@
 """``profiler``: a torch.profiler trace of optimizer steps ``start_step..end_step`` (torch_npu's
 profiler on Ascend).
 
-Recording starts before the first micro-batch of ``start_step`` and stops after ``end_step``'s
+Recording starts before ``start_step``'s first micro-batch and stops after ``end_step``'s
 optimizer update; ``prof.step()`` marks each optimizer-step boundary (``ProfilerStep#k`` spans in the
 trace). The trace is written as ``<output_path>/rank{r}.<time>.pt.trace.json`` (TensorBoard
 profiler plugin / Perfetto / chrome://tracing); on Ascend torch_npu writes its own layout there.
@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, emit, global_rank, steps_done
+from lit_moe.callbacks._common import emit, steps_done
+from lit_moe.distributed import global_rank
 
 DEFAULT_OUTPUT_PATH = "output/profile"
 
@@ -31,7 +32,7 @@ def _profiler_backend(device_type: str):
     return prof, getattr(prof.ProfilerActivity, device_activity) if device_activity else None
 
 
-class StepProfiler(Callback, StepWatcher):
+class StepProfiler(Callback):
     """Profile optimizer steps ``start_step..end_step`` (1-based, inclusive).
 
     Args:
@@ -99,10 +100,9 @@ class StepProfiler(Callback, StepWatcher):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        m = self.new_step_metrics(pl_module)
-        if m is None or self._prof is None:
+        if self._prof is None:
             return
-        if int(m["step"]) < self.end_step:
+        if pl_module.step_metrics.step < self.end_step:
             self._prof.step()   # closes ProfilerStep#k, opens #k+1
         else:
             self._stop()

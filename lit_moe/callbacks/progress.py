@@ -8,6 +8,8 @@ from typing import Any
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
+from lit_moe.callbacks.throughput import step_perf
+
 
 class StepProgressBar(TQDMProgressBar):
     """Lightning's bar counts dataloader batches per epoch; under accumulation and ``max_epochs=-1``
@@ -23,7 +25,7 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar
-        if bar is None or bar.n == trainer.global_step:
+        if bar is None:
             return
         _update_n(bar, trainer.global_step)
         bar.set_postfix(self.get_metrics(trainer, pl_module))
@@ -33,10 +35,11 @@ class StepProgressBar(TQDMProgressBar):
             self.train_progress_bar.close()
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
-        m = getattr(pl_module, "step_metrics", None) or {}
-        if not m:
+        m = getattr(pl_module, "step_metrics", None)
+        if m is None:
             return {}
-        out = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}", "grad_norm": f"{m['grad_norm']:.3f}"}
-        if m.get("step_time"):
-            out["tok/s"] = f"{m['tokens'] / m['step_time']:.0f}"
+        out = {"loss": f"{m.loss:.4f}", "lr": f"{m.lr:.2e}", "grad_norm": f"{m.grad_norm:.3f}"}
+        perf = step_perf(trainer, m)
+        if perf.get("tokens_per_sec") is not None:
+            out["tok/s"] = f"{perf['tokens_per_sec']:.0f}"
         return out

@@ -6,11 +6,10 @@ NaN/Inf) the update of that step is skipped. More than ``global_norm_skip_time``
 are treated as a failure. MindFormers parses these fields but never acts on them; we implement what
 the seed documents.
 
-Protocol with the LightningModule (manual optimization): after the A-th micro-batch the module
-computes the global pre-clip gradient norm, then calls ``should_skip`` on **every** callback that is
-a :class:`StepGuard` (all of them, no short-circuit: guards may keep state) **before** clipping.
-When any returns True it drops the gradients and steps neither the optimizer nor the LR schedule,
-so parameters, optimizer moments and step counters stay exactly as they were.
+The guard is a :class:`lit_moe.step.StepGuard`: once per optimizer step the module computes the
+global pre-clip gradient norm, then asks **every** guard (no short-circuit: guards may keep state)
+**before** clipping. When any says True it drops the gradients and steps neither the optimizer nor
+the LR schedule, so parameters, optimizer moments and step counters stay exactly as they were.
 """
 
 from __future__ import annotations
@@ -19,27 +18,17 @@ import math
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import emit, steps_done, tensor_norm, to_float
+from lit_moe.callbacks._common import emit, steps_done, to_float
+from lit_moe.step import StepGuard
+from lit_moe.strategies.clip import global_grad_norm
 
 
 class SkipLimitExceeded(RuntimeError):
     """Too many consecutive skipped steps. Raised from ``should_skip`` before anything of the bad
     step is applied; the CLI prints the one-line message and exits non-zero. Checkpoint callbacks
     must not save on this exception (the last saved checkpoint is the last healthy state)."""
-
-
-class StepGuard(Callback):
-    """A callback the module asks, once per optimizer step, whether to skip the update.
-
-    Called with accumulated, pre-clip gradients still in place (``p.grad``), after the global norm
-    is known. Implementations must be deterministic across ranks (same answer on every rank), since
-    the module acts on the answer collectively."""
-
-    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
-        return False
 
 
 def _embedding_grad_norm(pl_module: Any) -> Optional[float]:
@@ -49,13 +38,7 @@ def _embedding_grad_norm(pl_module: Any) -> Optional[float]:
     weight = getattr(embed, "weight", None)
     if weight is None or weight.grad is None:
         return None
-    try:  # the strategy's mesh-aware norm (DTensor placements, mixed meshes)
-        from lit_moe.strategies import global_grad_norm
-    except ImportError:
-        global_grad_norm = None
-    if global_grad_norm is not None:
-        return to_float(global_grad_norm([weight]))
-    return tensor_norm(weight.grad)
+    return to_float(global_grad_norm([weight]))  # mesh-aware (DTensor placements, mixed meshes)
 
 
 class GlobalNormSkipGuard(StepGuard):

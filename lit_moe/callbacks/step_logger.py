@@ -19,8 +19,9 @@ import yaml
 from lightning.pytorch import Callback
 
 from lit_moe.config import to_dict
-from lit_moe.callbacks._common import (StepWatcher, add_scalar, check_log_interval, emit, fmt, is_log_step,
-                                      tb_writer)
+from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, fmt, is_log_step, tb_writer
+from lit_moe.callbacks.throughput import step_perf
+from lit_moe.step import StepMetrics
 
 
 def config_as_markdown(resolved_config: Any) -> str:
@@ -34,7 +35,7 @@ def config_as_markdown(resolved_config: Any) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-class StepLogger(Callback, StepWatcher):
+class StepLogger(Callback):
     """One console line per logged step and the ``train/*`` TensorBoard scalars.
 
     Args:
@@ -58,43 +59,40 @@ class StepLogger(Callback, StepWatcher):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        m = self.new_step_metrics(pl_module)
-        if m is None or not is_log_step(int(m["step"]), self.log_interval):
+        m: StepMetrics = pl_module.step_metrics
+        if not is_log_step(m.step, self.log_interval):
             return
         if trainer.is_global_zero:
-            emit(self.format_line(m))
+            emit(self.format_line(m, step_perf(trainer, m)))
         writer = tb_writer(trainer)
         if writer is None:
             return
-        step, samples = int(m["step"]), m.get("consumed_samples")
+        step, samples = m.step, m.consumed_samples
         for key in ("loss", "lr", "grad_norm", "aux_loss", "mtp_loss"):
-            if m.get(key) is not None:
-                add_scalar(writer, f"train/{key}", float(m[key]), step, samples)
-        add_scalar(writer, "train/skipped_steps", float(m.get("skipped_steps") or 0), step, samples)
-        if samples is not None:
-            add_scalar(writer, "train/consumed_samples", float(samples), step)
+            value = getattr(m, key)
+            if value is not None:
+                add_scalar(writer, f"train/{key}", float(value), step, samples)
+        add_scalar(writer, "train/skipped_steps", float(m.skipped_steps), step, samples)
+        add_scalar(writer, "train/consumed_samples", float(samples), step)
 
-    def format_line(self, m: dict) -> str:
-        step = int(m["step"])
+    def format_line(self, m: StepMetrics, perf: Optional[dict] = None) -> str:
+        """The console line of step ``m``; ``perf``: its throughput numbers (:func:`step_perf`)."""
+        perf = perf or {}
         total = f"/{self.total_steps}" if self.total_steps else ""
-        parts = [f"step {step}{total}", f"loss {fmt(m.get('loss'))}"]
+        parts = [f"step {m.step}{total}", f"loss {fmt(m.loss)}"]
         for key in ("aux_loss", "mtp_loss"):
-            if m.get(key) is not None:
-                parts.append(f"{key} {fmt(m[key])}")
-        parts += [f"lr {fmt(m.get('lr'), '.6e')}", f"grad_norm {fmt(m.get('grad_norm'), '.4f')}"]
-        if m.get("consumed_samples") is not None:
-            parts.append(f"samples {int(m['consumed_samples'])}")
-        perf = m.get("perf") or {}
-        if m.get("step_time") is not None:
-            parts.append(f"step_time {1000 * float(m['step_time']):.0f}ms")
+            if getattr(m, key) is not None:
+                parts.append(f"{key} {fmt(getattr(m, key))}")
+        parts += [f"lr {fmt(m.lr, '.6e')}", f"grad_norm {fmt(m.grad_norm, '.4f')}",
+                  f"samples {m.consumed_samples}", f"step_time {1000 * m.step_time:.0f}ms"]
         if perf.get("tokens_per_sec") is not None:
             parts.append(f"tokens/s {perf['tokens_per_sec']:.1f}")
         if perf.get("tflops_per_device") is not None:
             parts.append(f"TFLOP/s/device {perf['tflops_per_device']:.3f}")
         if perf.get("mfu") is not None:
             parts.append(f"mfu {100 * perf['mfu']:.2f}%")
-        if m.get("skipped"):
+        if m.skipped:
             parts.append("SKIPPED")
-        if m.get("skipped_steps"):
-            parts.append(f"skipped_steps {int(m['skipped_steps'])}")
+        if m.skipped_steps:
+            parts.append(f"skipped_steps {m.skipped_steps}")
         return " | ".join(parts)

@@ -1,6 +1,9 @@
 """Throughput, achieved TFLOP/s and MFU, step time and memory.
 
-Counting under tensor/context parallelism: ``step_metrics["tokens"]`` is the number of tokens of the
+:class:`ThroughputMFU` is the one owner of these numbers: the console line and the progress bar
+ask it (:func:`step_perf`) instead of computing their own.
+
+Counting under tensor/context parallelism: ``step_metrics.tokens`` is the number of tokens of the
 global batch (every token once, however many ranks worked on it), and the step's model FLOPs are
 ``flops_per_token × tokens``. Both are shared by all ``world_size`` devices, so per device they are
 divided by the world size — not multiplied by ``tp × cp`` as Lightning's ThroughputMonitor does
@@ -24,7 +27,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, add_scalar, check_log_interval, emit, is_log_step, tb_writer
+from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, is_log_step, tb_writer
+from lit_moe.distributed import is_distributed
+from lit_moe.step import StepMetrics
 
 # Peak dense bf16 tensor FLOP/s per device, matched as a substring of the device name lower-cased
 # with spaces and dashes removed. First match wins, so specific names come first.
@@ -152,13 +157,14 @@ def memory_gib(device: torch.device) -> tuple[str, float]:
     return "max_memory_allocated_gib", value / 2 ** 30
 
 
-class ThroughputMFU(Callback, StepWatcher):
+class ThroughputMFU(Callback):
     """Tokens/s (global and per device), achieved TFLOP/s per device, MFU, step time and memory.
 
     Writes ``train/tokens_per_sec``, ``train/tokens_per_sec_per_device``, ``train/step_time``,
     ``train/tflops_per_device``, ``train/mfu`` and ``train/max_memory_allocated_gib`` (accelerator) or
-    ``train/rss_gib`` (CPU), with "vs samples" variants, and puts the step's numbers in
-    ``step_metrics["perf"]`` for the console line. Memory is the maximum over ranks.
+    ``train/rss_gib`` (CPU), with "vs samples" variants. :meth:`perf` gives a step's numbers to
+    whoever shows them (computed once per step, whichever callback asks first). Memory is the
+    maximum over ranks.
 
     Args:
         flops_per_token: training FLOPs per token (``lit_moe.model.flops_per_token``); None: no
@@ -175,41 +181,45 @@ class ThroughputMFU(Callback, StepWatcher):
         self.peak_flops = float(peak_flops) if peak_flops is not None else None
         self.peak_source = "given" if peak_flops is not None else None
         self.log_interval = check_log_interval(log_interval, "ThroughputMFU.log_interval")
-        self._last_end: Optional[float] = None
+        self._perf: Optional[tuple[int, dict[str, float]]] = None   # (step, its numbers)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.flops_per_token and self.peak_flops is None:
             self.peak_flops, self.peak_source = peak_flops_for(pl_module.device)
             if trainer.is_global_zero:
                 emit(f"MFU peak: {self.peak_flops / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
-        self._last_end = time.perf_counter()
+
+    def perf(self, trainer: Any, m: StepMetrics) -> dict[str, float]:
+        """``step_time``, ``tokens_per_sec``, ``tokens_per_sec_per_device`` and, with FLOPs per token,
+        ``tflops_per_device`` and (with a peak) ``mfu`` of step ``m``."""
+        if self._perf is None or self._perf[0] != m.step:
+            perf: dict[str, float] = {"step_time": float(m.step_time)}
+            if m.tokens and m.step_time > 0:
+                perf.update(throughput_metrics(float(m.tokens), float(m.step_time), trainer.world_size,
+                                               self.flops_per_token, self.peak_flops))
+            self._perf = (m.step, perf)
+        return self._perf[1]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        m = self.new_step_metrics(pl_module)
-        if m is None:
+        m: StepMetrics = pl_module.step_metrics
+        if not is_log_step(m.step, self.log_interval):
             return
-        now = time.perf_counter()
-        step_time = m.get("step_time")
-        if not step_time or step_time <= 0:  # the module did not time it: use our own clock
-            step_time = now - (self._last_end or now)
-        self._last_end = now
-        tokens = m.get("tokens")
-        perf: dict[str, float] = {"step_time": float(step_time)}
-        if tokens and step_time > 0:
-            perf.update(throughput_metrics(float(tokens), float(step_time), trainer.world_size,
-                                           self.flops_per_token, self.peak_flops))
-        m["perf"] = perf
-        step = int(m["step"])
-        if not is_log_step(step, self.log_interval):
-            return
+        perf = dict(self.perf(trainer, m))
         mem_tag, mem = memory_gib(pl_module.device)
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             t = torch.tensor([mem], dtype=torch.float32, device=pl_module.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             mem = float(t.item())
         perf[mem_tag] = mem
         writer = tb_writer(trainer)
-        samples = m.get("consumed_samples")
         for key, value in perf.items():
-            add_scalar(writer, f"train/{key}", value, step, samples)
+            add_scalar(writer, f"train/{key}", value, m.step, m.consumed_samples)
+
+
+def step_perf(trainer: Any, m: StepMetrics) -> dict[str, float]:
+    """Step ``m``'s throughput numbers from the run's :class:`ThroughputMFU` (empty without one)."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, ThroughputMFU):
+            return cb.perf(trainer, m)
+    return {}

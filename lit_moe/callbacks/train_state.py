@@ -22,9 +22,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lit_moe.callbacks._common import emit, tensor_norm
+from lit_moe.distributed import global_rank, world_size
 from lit_moe.config import ConfigError
-from lit_moe.callbacks._common import StepWatcher, emit, global_rank, tensor_norm, world_size
-from lit_moe.callbacks.skip import StepGuard
+from lit_moe.step import GradientObserver, StepMetrics
 
 NormFilter = Union[bool, str, list]
 
@@ -53,10 +54,9 @@ def _named_parameters(pl_module: Any):
     return source.named_parameters()
 
 
-class TrainStateMonitor(StepGuard, StepWatcher):
-    """Print the ``monitor.train_state`` lines. A :class:`StepGuard` that never skips: its
-    ``should_skip`` hook is where the accumulated pre-clip gradients are visible (``device_norm``).
-    Put it before the skip guard in the callback list."""
+class TrainStateMonitor(GradientObserver):
+    """Print the ``monitor.train_state`` lines. A :class:`~lit_moe.step.GradientObserver`: it sees the
+    accumulated pre-clip gradients of every step (``device_norm``), skipped ones included."""
 
     def __init__(self, device_loss: bool = False, local_loss: bool = False,
                  local_norm: NormFilter = "", device_norm: NormFilter = False) -> None:
@@ -91,21 +91,18 @@ class TrainStateMonitor(StepGuard, StepWatcher):
             self._prev_grads[name] = grad.clone()
         self._local_norms.append(norms)
 
-    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
+    def on_gradients_before_clip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> None:
         if self.device_norm:
             self._device_norms = [(name, tensor_norm(p.grad)) for name, p in _named_parameters(pl_module)
                                   if p.grad is not None and self._match(name, self.device_norm)]
-        return False
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        metrics = self.new_step_metrics(pl_module)
-        if metrics is None:
-            return
-        step = int(metrics["step"])
+        metrics: StepMetrics = pl_module.step_metrics
+        step = metrics.step
         prefix = {"rank": global_rank()} if world_size() > 1 else {}
         if self.local_loss:
-            for k, value in enumerate(metrics.get("micro_losses") or []):
+            for k, value in enumerate(metrics.micro_losses):
                 emit(json.dumps({**prefix, "step": step, "micro_step": k, "local_loss": float(value)}))
         if self.local_norm:
             for k, norms in enumerate(self._local_norms):
@@ -114,7 +111,7 @@ class TrainStateMonitor(StepGuard, StepWatcher):
                     emit(json.dumps({"local_norm": f"{name}: {value}"}))
         if trainer.is_global_zero:
             if self.device_loss:
-                emit(json.dumps({"step": step, "device_loss": float(metrics["loss"])}))
+                emit(json.dumps({"step": step, "device_loss": metrics.loss}))
             if self.device_norm:
                 emit(json.dumps({"step": step}))
                 for name, value in self._device_norms:

@@ -6,9 +6,10 @@ tensors are copied to CPU memory, the files are written by a background thread w
 on, and the tracker is replaced when every rank has finished; the next save (and the end of
 training) waits for the previous one first.
 
-It also lets the Trainer resume from such a directory: ``trainer.fit(ckpt_path=iteration_dir)``
-calls ``strategy.load_checkpoint``, which this callback routes to
-:func:`lit_moe.checkpoint.resume.load_lightning_checkpoint` for lit_moe checkpoints.
+Resuming from such a directory (``trainer.fit(ckpt_path=iteration_dir)``) is the strategy's job
+(:class:`lit_moe.checkpoint.resume.IterationResume`); the checkpoint dict it returns carries this
+rank's RNG state, which this callback takes in ``on_load_checkpoint`` and puts back when training
+starts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lit_moe.checkpoint.iteration import (
     write_and_commit,
 )
 from lit_moe.checkpoint.layout import iteration_name, read_tracker
+from lit_moe.checkpoint.resume import RNG_STATE
 from lit_moe.checkpoint.sharded import assign_writers, pieces_of, stage
 from lit_moe.config import CheckpointConfig, ConfigError
 
@@ -68,31 +70,31 @@ class IterationCheckpoint(Callback):
         self._comm: Optional[Comm] = None
         self._saved_this_run: list[int] = []
         self._last_saved: Optional[int] = None
-        self._last_seen: Optional[int] = None
         self._failed = False
         self._thread: Optional[threading.Thread] = None
         self._thread_error: Optional[BaseException] = None
-        self.pending_rng: Optional[dict] = None  # set by the resume loader, applied at train start
+        self._rng_to_restore: Optional[dict] = None  # from the resumed checkpoint, applied at train start
 
     # ------------------------------------------------------------------------------------------
     # hooks
     # ------------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lit_moe.checkpoint.resume import install_loader
-
-        install_loader(trainer.strategy, self)
         if self.cfg.enable_save and self._comm is None:
             # collective: every rank runs setup; ModelParallelStrategy keeps the run's timeout in _timeout
             self._comm = Comm.create(getattr(trainer.strategy, "_timeout", None))
 
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: dict[str, Any]) -> None:
+        self._rng_to_restore = checkpoint.get(RNG_STATE)
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.pending_rng is not None:
-            # After the data iterators were created (they draw from the global generator), so the
+        if self._rng_to_restore is not None:
+            # Not in on_load_checkpoint: Lightning creates the data iterator after restoring, and a
+            # DataLoader iterator draws its base seed from the global generator. Applied here, the
             # next step sees exactly the generator state of the step that was saved.
-            set_rng_state(self.pending_rng)
-            self.pending_rng = None
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
         step = trainer.global_step
-        self._last_seen = step
         if self.cfg.enable_save and step > 0 and (self.save_path / iteration_name(step)).is_dir():
             self._last_saved = step  # resumed from this very directory: no duplicate final save
         if self.cfg.enable_save and trainer.is_global_zero and self.save_path.is_dir():
@@ -101,17 +103,11 @@ class IterationCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._last_seen:
-            return  # a micro-batch that did not finish an optimizer step
-        self._last_seen = step
+        step = trainer.global_step  # on_train_batch_end fires once per optimizer step
         if self.cfg.enable_save and step % self.cfg.save_interleaved_steps == 0:
             self.save(trainer, step)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        discard = getattr(pl_module, "discard_unfinished_window", None)
-        if callable(discard):   # stopped mid-accumulation: those samples are read again on resume
-            discard()
         if self.cfg.enable_save and not self._failed and trainer.global_step != self._last_saved:
             self.save(trainer, trainer.global_step)
         self.wait()
@@ -209,14 +205,9 @@ class IterationCheckpoint(Callback):
         facts: dict[str, Any] = {"epoch_num": trainer.current_epoch}
         training = getattr(module, "training_config", None)
         gbs = getattr(training, "global_batch_size", None)
-        metrics = getattr(module, "step_metrics", None) or {}
         if gbs is not None:
             facts["global_batch_size"] = int(gbs)
-        consumed = metrics.get("consumed_samples")
-        if consumed is None and gbs is not None:
-            consumed = trainer.global_step * int(gbs)
-        if consumed is not None:
-            facts["consumed_samples"] = int(consumed)
+            facts["consumed_samples"] = trainer.global_step * int(gbs)
         dims = getattr(trainer.strategy, "parallel_dims", None)
         if dims is not None:
             facts["layout"] = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp")

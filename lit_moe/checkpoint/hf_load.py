@@ -1,7 +1,7 @@
 """Hugging Face weights into an already built (possibly sharded) model: ``load_path`` pointing at a
 ``save_pretrained`` directory with ``no_load_optim: True``.
 
-The key mapping and orientation are :mod:`lit_moe.checkpoint.hf`'s (``hf_keys``); this module
+The key mapping and orientation are :mod:`lit_moe.model.hf`'s (``hf_keys``); this module
 reads each of our tensors whole on the CPU, one at a time, and keeps the piece this rank holds, so
 it works for FSDP2 / tensor / expert parallel layouts without building an unsharded model.
 """
@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from lit_moe.checkpoint.layout import CheckpointError
 from lit_moe.checkpoint.sharded import canonical, piece_of
+from lit_moe.lora import is_adapter_name
 
 
 def _listing(items: list[str], n: int = 6) -> str:
@@ -24,7 +25,7 @@ def _listing(items: list[str], n: int = 6) -> str:
 
 def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = None, workers: int = 1) -> None:
     """Fill ``model`` (a ``DeepseekV3ForCausalLM``, any layout) from the Hugging Face directory."""
-    from lit_moe.checkpoint import hf
+    from lit_moe.model import hf
 
     directory = Path(directory)
     config = getattr(model, "config", None) or model_config
@@ -55,6 +56,8 @@ def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = No
     merged_cache: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name in sorted(sd):
+            if is_adapter_name(name):   # LoRA adapters are not in a base checkpoint: they keep their init
+                continue
             piece = piece_of(sd[name])
             shape = torch.Size(piece.global_shape)
             full = torch.empty(shape, dtype=piece.local.dtype)

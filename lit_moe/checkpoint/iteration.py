@@ -195,6 +195,8 @@ def write_and_commit(comm: Comm, job: SaveJob) -> Path:
                 status = f"rank 0: {type(err).__name__}: {err}"
     status = comm.broadcast(status)
     if status:
+        if comm.rank == 0:  # every rank has stopped writing: nothing of this save is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed: {status}")
     return final
 
@@ -280,8 +282,16 @@ class IterationReader:
             raise CheckpointError(f"checkpoint {self.path} has format version {raw['version']}; this lit_moe reads "
                                   f"up to {FORMAT_VERSION}")
         self.common = raw
-        self.files: dict[str, dict] = raw["files"]
+        files = raw.get("files")
+        if not isinstance(files, dict) or not files:
+            raise CheckpointError(f"checkpoint file corrupted: {common_path} lists no files")
+        self.files: dict[str, dict] = files
         for name, info in self.files.items():
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..", COMMON):
+                raise CheckpointError(f"checkpoint file corrupted: {common_path} names {name!r}, not a file of "
+                                      f"{self.path}")
+            if not isinstance(info, dict) or not {"kind", "rank", "size", "crc32"} <= set(info):
+                raise CheckpointError(f"checkpoint file corrupted: {common_path} has no size/CRC-32 entry for {name}")
             p = self.path / name
             if not p.is_file():
                 raise CheckpointError(f"checkpoint file missing: {p}")
@@ -387,9 +397,11 @@ def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool
     """Load the model tensors of ``reader`` into ``module`` (any layout; DTensors or plain tensors).
     Every tensor must be present with the same global shape, and the checkpoint (under the module's
     prefix) must hold nothing else."""
+    from lit_moe.lora import keep_initialised_adapters
+
     sd = get_model_state_dict(module)
     index = reader.index("model")
-    live = pieces_of(sd)  # canonical names
+    live = keep_initialised_adapters(pieces_of(sd), index.keys())  # canonical names
     mapping = _prefix_map(list(live), index.keys(), reader.path)
     prefix = _common_prefix(mapping)
     targets = {mapping[k]: p for k, p in live.items()}

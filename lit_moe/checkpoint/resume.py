@@ -2,10 +2,11 @@
 
 * empty: a fresh start;
 * a ``save_path`` (its tracker is followed) or one iteration directory, with ``no_load_optim: False``:
-  full resume. ``LoadPlan.ckpt_path`` goes to ``trainer.fit(ckpt_path=...)``; the checkpoint
-  callback routes Lightning's ``strategy.load_checkpoint`` to :func:`load_lightning_checkpoint`, which
-  restores weights, optimizer (learning rate included), and returns Lightning's state (step, LR
-  schedule, DataModule position, callbacks); the RNG of every rank is restored at train start;
+  full resume. ``LoadPlan.ckpt_path`` goes to ``trainer.fit(ckpt_path=...)``; the strategy's own
+  loader hooks (:class:`IterationResume`, mixed into ``AscendFSDPStrategy``) call
+  :func:`load_lightning_checkpoint`, which restores weights, optimizer (learning rate included), and
+  returns Lightning's state (step, LR schedule, DataModule position, callbacks) with each rank's RNG
+  state in it, which the checkpoint callback puts back when training starts;
 * the same with ``no_load_optim: True``: weights only (fine-tuning: step 0, fresh optimizer);
   ``LoadPlan.weights_loader(model)`` fills the freshly initialised model;
 * a Hugging Face ``save_pretrained`` directory: weights only, and only with ``no_load_optim: True``.
@@ -144,7 +145,10 @@ def check_model_shapes(reader: IterationReader, model_config: Any) -> None:
             self.global_shape = shape
 
     targets = {mapping[k]: _Shape(s) for k, s in shapes.items()}
-    view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix)})
+    from lit_moe.lora import is_adapter_name
+
+    # a LoRA run's adapters are not in the plain model built here; load_module checks them
+    view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix) and not is_adapter_name(k)})
     check_shapes(view, targets, "the model weights", reader.path)
 
 
@@ -192,10 +196,14 @@ def is_lit_moe_checkpoint(path: Any) -> bool:
     return (p / COMMON).is_file() or (p / TRACKER).is_file()
 
 
-def load_lightning_checkpoint(strategy: Any, path: Any, callback: Any) -> dict:
+RNG_STATE = "lit_moe_rng_state"  # this rank's RNG state, in the checkpoint dict Lightning hands around
+
+
+def load_lightning_checkpoint(strategy: Any, path: Any, cfg: CheckpointConfig) -> dict:
     """Restore the weights (and, once the optimizers exist, their states) in place and return
-    Lightning's checkpoint dict (loops, LR schedulers, callbacks, DataModule) for the Trainer."""
-    cfg = callback.cfg
+    Lightning's checkpoint dict (loops, LR schedulers, callbacks, DataModule) for the Trainer, with
+    this rank's RNG state under :data:`RNG_STATE` (None when the checkpoint was written by another
+    number of ranks)."""
     reader = IterationReader(find_iteration_dir(Path(path)), workers=cfg.load_worker_number)
     module = strategy.lightning_module
     load_module(module, reader, balanced=cfg.load_balanced)
@@ -204,47 +212,45 @@ def load_lightning_checkpoint(strategy: Any, path: Any, callback: Any) -> dict:
         load_optimizers(module, strategy.optimizers, reader, balanced=cfg.load_balanced)
         pending = False
     rank, world = _rank_world()
-    callback.pending_rng = reader.rng_state(rank, world)
     state = reader.trainer_state()
+    state[RNG_STATE] = reader.rng_state(rank, world)
     state[RESUMED] = {"path": str(path), "reader": reader, "optimizer_pending": pending}
     state["state_dict"] = {}  # already in the model
     state["optimizer_states"] = []  # already in the optimizers (or loaded by load_optimizer_state_dict)
     return state
 
 
-def install_loader(strategy: Any, callback: Any) -> None:
-    """Make ``strategy`` load lit_moe iteration directories (other paths go to its own loader).
+class IterationResume:
+    """Strategy mixin: ``trainer.fit(ckpt_path=...)`` also accepts lit_moe iteration directories and
+    save paths (other paths go to the strategy's own loader).
 
-    Lightning asks the strategy to load ``ckpt_path`` and then to put model and optimizer states in
-    place; for our checkpoints the first call does the work in place (with resharding), the other
+    Lightning asks the strategy to load ``ckpt_path`` and then to put the model and optimizer states
+    in place. For our checkpoints the first hook does the work in place (with resharding); the other
     two have nothing left to do (or, for strategies that load before the optimizers exist, load the
-    optimizer states then)."""
-    originals = getattr(strategy, "_lit_moe_original_loaders", None)
-    if originals is None:
-        originals = {n: getattr(strategy, n) for n in ("load_checkpoint", "load_model_state_dict",
-                                                       "load_optimizer_state_dict")}
-        strategy._lit_moe_original_loaders = originals
+    optimizer states then). Mix it in before the Lightning strategy class, as ``AscendFSDPStrategy``
+    does; ``checkpoint_config`` gives ``load_balanced`` and ``load_worker_number``."""
 
-    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict:
+    checkpoint_config: Optional[CheckpointConfig] = None
+
+    def _load_options(self) -> CheckpointConfig:
+        return self.checkpoint_config if self.checkpoint_config is not None else CheckpointConfig()
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict:
         if is_lit_moe_checkpoint(checkpoint_path):
-            return load_lightning_checkpoint(strategy, checkpoint_path, callback)
-        return originals["load_checkpoint"](checkpoint_path, *args, **kwargs)
+            return load_lightning_checkpoint(self, checkpoint_path, self._load_options())
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
-    def load_model_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> None:
+    def load_model_state_dict(self, checkpoint: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(checkpoint, dict) and RESUMED in checkpoint:
             return None
-        return originals["load_model_state_dict"](checkpoint, *args, **kwargs)
+        return super().load_model_state_dict(checkpoint, *args, **kwargs)
 
-    def load_optimizer_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(checkpoint, dict) and RESUMED in checkpoint:
             info = checkpoint[RESUMED]
             if info["optimizer_pending"]:
-                load_optimizers(strategy.lightning_module, strategy.optimizers, info["reader"],
-                                balanced=callback.cfg.load_balanced)
+                load_optimizers(self.lightning_module, self.optimizers, info["reader"],
+                                balanced=self._load_options().load_balanced)
                 info["optimizer_pending"] = False
             return None
-        return originals["load_optimizer_state_dict"](checkpoint, *args, **kwargs)
-
-    strategy.load_checkpoint = load_checkpoint
-    strategy.load_model_state_dict = load_model_state_dict
-    strategy.load_optimizer_state_dict = load_optimizer_state_dict
+        return super().load_optimizer_state_dict(checkpoint, *args, **kwargs)

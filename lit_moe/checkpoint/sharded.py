@@ -29,16 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from lit_moe.checkpoint.comm import Comm
 from lit_moe.checkpoint.layout import CheckpointError, file_crc32, write_bytes_durable
+from lit_moe.model.names import canonical_name
 
 HEADER_KEY = "lit_moe"  # safetensors header entry holding the chunk geometry (JSON)
 
 
-def canonical(name: str) -> str:
-    """A tensor's name without wrapper parts (activation checkpointing, FSDP1, ``torch.compile``), so
-    a checkpoint saved with recompute on loads with it off and the reverse."""
-    from lit_moe.model.transformer import canonical_name
-
-    return canonical_name(name)
+# A tensor's name without wrapper parts (activation checkpointing, FSDP1, ``torch.compile``), so a
+# checkpoint saved with recompute on loads with it off and the reverse: the model's one definition.
+canonical = canonical_name
 
 
 # ----------------------------------------------------------------------------------------------

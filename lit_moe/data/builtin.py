@@ -17,33 +17,14 @@ import numpy as np
 from lit_moe.config import ConfigError
 from lit_moe.data.cache import atomic_write_text, file_lock
 from lit_moe.data.indexed import IndexedDatasetBuilder, exists, optimal_dtype
-from lit_moe.data.tokenizer import CORPUS_DIR, JsonTokenizer
+from lit_moe.data.catalog import CORPUS_DIR, SCHEME, builtin_spec, builtin_tokenizer_path
+from lit_moe.data.tokenizer import JsonTokenizer
 
-SCHEME = "builtin:"
-BUILTINS = {
-    "austen": {
-        "text": "austen.jsonl.xz",
-        "tokenizer": "austen_bpe4096.json",
-        "eod_token": "<eod>",
-        "about": "Jane Austen's six novels, one document per chapter (public domain)",
-    },
-}
 FORMAT = 1
 
 
-def _spec(name: str) -> dict:
-    if name not in BUILTINS:
-        raise ConfigError(f"train_dataset.dataloader.config.data_path: unknown built-in corpus "
-                          f"{SCHEME}{name}; available: {[SCHEME + n for n in BUILTINS]}")
-    return BUILTINS[name]
-
-
-def builtin_tokenizer_path(name: str) -> str:
-    return os.path.join(CORPUS_DIR, _spec(name)["tokenizer"])
-
-
 def builtin_documents(name: str) -> list[str]:
-    with lzma.open(os.path.join(CORPUS_DIR, _spec(name)["text"]), "rt", encoding="utf-8") as f:
+    with lzma.open(os.path.join(CORPUS_DIR, builtin_spec(name)["text"]), "rt", encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
@@ -65,7 +46,7 @@ def ensure_builtin(name: str, cache_dir: Optional[str] = None) -> str:
 
 def build_builtin(name: str, cache_dir: Optional[str] = None) -> tuple[str, bool]:
     """(prefix, whether this call built it)."""
-    spec = _spec(name)
+    spec = builtin_spec(name)
     cache_dir = cache_dir or default_cache_dir()
     text_path = os.path.join(CORPUS_DIR, spec["text"])
     tok_path = builtin_tokenizer_path(name)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from typing import Callable, Optional
 
 import numpy as np
@@ -103,6 +104,8 @@ def cached_arrays(
         return build(), True
     paths = {n: os.path.join(cache_dir, f"{stem}-{n}.npy") for n in names}
     desc_path = os.path.join(cache_dir, f"{stem}-description.txt")
+    sums_path = os.path.join(cache_dir, f"{stem}-checksums.json")
+    warned = []
 
     def complete() -> bool:
         if not (os.path.isfile(desc_path) and all(os.path.isfile(p) for p in paths.values())):
@@ -110,11 +113,24 @@ def cached_arrays(
         with open(desc_path) as f:
             return f.read() == description
 
-    def load() -> dict[str, np.ndarray]:
-        return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+    def load() -> Optional[dict[str, np.ndarray]]:
+        """The cached arrays, or None (with one warning) when a file is damaged."""
+        problem = damage(paths, sums_path)
+        arrays = None
+        if problem is None:
+            try:
+                arrays = {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+            except (OSError, ValueError, EOFError) as err:
+                problem = f"{type(err).__name__}: {err}"
+        if problem is not None and not warned:
+            warned.append(problem)
+            on_warning(f"the index cache {os.path.join(cache_dir, stem)}-* is damaged ({problem}); rebuilding it")
+        return arrays
 
     if complete():
-        return load(), False
+        arrays = load()
+        if arrays is not None:
+            return arrays, False
     lock = file_lock(os.path.join(cache_dir, f"{stem}.lock"))
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -126,11 +142,16 @@ def cached_arrays(
         return build(), True
     try:
         if complete():  # another rank built it while we waited for the lock
-            return load(), False
+            loaded = load()
+            if loaded is not None:
+                return loaded, False
         arrays = build()
         try:
+            if os.path.exists(desc_path):
+                os.remove(desc_path)  # incomplete until the description is written again
             for n, p in paths.items():
                 atomic_save_npy(p, arrays[n])
+            atomic_write_text(sums_path, json.dumps({n: _file_digest(p) for n, p in paths.items()}))
             atomic_write_text(desc_path, description)
         except OSError as err:
             on_warning(f"could not write the index cache in {cache_dir} ({err}); the indices are kept "
@@ -138,3 +159,31 @@ def cached_arrays(
         return arrays, True
     finally:
         lock.__exit__(None, None, None)
+
+
+def _file_digest(path: str, block: int = 1 << 24) -> dict:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": os.path.getsize(path), "crc32": crc}
+
+
+def damage(paths: dict[str, str], sums_path: str) -> Optional[str]:
+    """What is wrong with cached array files against the sizes and CRC-32s recorded when they were
+    written (None: intact). A cache without the record (older lit_moe) counts as damaged: rebuilt once."""
+    try:
+        with open(sums_path) as f:
+            sums = json.load(f)
+    except (OSError, ValueError):
+        return f"{os.path.basename(sums_path)} is missing or unreadable"
+    for name, path in paths.items():
+        want = sums.get(name) if isinstance(sums, dict) else None
+        if not isinstance(want, dict):
+            return f"no checksum for {os.path.basename(path)}"
+        size = os.path.getsize(path)
+        if size != want.get("size"):
+            return f"{os.path.basename(path)} has {size} bytes, {want.get('size')} were written"
+        if _file_digest(path)["crc32"] != want.get("crc32"):
+            return f"{os.path.basename(path)} fails its CRC-32 check"
+    return None

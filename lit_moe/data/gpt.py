@@ -94,7 +94,10 @@ class GPTDatasetConfig:
     (megatron-core ≥ 0.12): each dataset builds ``ceil(ceil(size·w)·(1+surplus))`` and the blend is
     ``Σ ceil(size·w)`` long. The two agree on most sizes."""
     vocab_size: Optional[int] = None
-    """Mock data only: token ids are taken modulo this (as megatron-core's mock data does)."""
+    """The model's vocabulary (``lit_moe fit`` fills in ``model.vocab_size``). Indexed data: a token id
+    outside ``[0, vocab_size)`` is an error naming the file, document and id (checked for every sample
+    as it is read, and at start against the largest id ``lit_moe preprocess`` recorded). Mock data:
+    token ids are taken modulo this (as megatron-core's mock data does)."""
 
     FIELD = "train_dataset.dataloader.config"
 
@@ -415,7 +418,15 @@ class GPTDataset:
         self.split = split
         self.config = config
         self.built_indices = False
+        self._check_recorded_vocabulary()
         self.document_index, self.sample_index, self.shuffle_index = self._indices()
+
+    def _check_recorded_vocabulary(self) -> None:
+        top, vocab = getattr(self.dataset, "max_token_id", None), self.config.vocab_size
+        if top is not None and vocab is not None and not top < vocab:
+            raise DatasetError(f"{self.dataset_path}.bin: holds token ids up to {top} (recorded by its builder in "
+                               f"{self.dataset_path}.meta.json) but model.vocab_size is {vocab}: the data was "
+                               "tokenized for another vocabulary")
 
     # -- index building ---------------------------------------------------------------------------
     def _description(self) -> dict:
@@ -499,11 +510,23 @@ class GPTDataset:
             parts = [self.dataset.get(int(doc[d0]), offset=o0)]
             parts += [self.dataset.get(int(doc[d])) for d in range(d0 + 1, d1)]
             parts.append(self.dataset.get(int(doc[d1]), offset=0, length=o1 + extra))
+        if cfg.vocab_size is not None and self.dataset_path is not None:
+            self._check_token_ids(parts, [int(doc[d]) for d in range(d0, d1 + 1)])
         want = cfg.seq_length + extra
         have = sum(len(p) for p in parts)
         if have < want:
             parts.append(np.full(want - have, cfg.pad, dtype=np.int64))
         return np.concatenate(parts).astype(np.int64, copy=False)
+
+    def _check_token_ids(self, parts: list[np.ndarray], sequences: list[int]) -> None:
+        vocab = self.config.vocab_size
+        for part, seq in zip(parts, sequences):
+            if part.size and (int(part.max()) >= vocab or int(part.min()) < 0):
+                bad = int(part[(part >= vocab) | (part < 0)][0])
+                document = self.dataset.document_of(seq) if hasattr(self.dataset, "document_of") else seq
+                raise DatasetError(f"{self.dataset_path}.bin: document {document} (sequence {seq}) holds token id "
+                                   f"{bad}, outside [0, {vocab}) of model.vocab_size: the data was tokenized for "
+                                   "another vocabulary")
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         cfg = self.config

@@ -50,6 +50,17 @@ class DatasetError(ConfigError):
     """A dataset file (or the configuration that points at it) that cannot be used; the message names
     the file and the problem."""
 
+    def __init__(self, message: str = "") -> None:
+        # A DataLoader worker's error comes back as DatasetError("Caught DatasetError in DataLoader
+        # worker process 0.\nOriginal Traceback ...\n...DatasetError: <message>\n"): keep the message.
+        text = str(message)
+        if text.startswith("Caught DatasetError") and "DatasetError: " in text:
+            text = text.rstrip().rsplit("DatasetError: ", 1)[1].strip()
+        super().__init__(text)
+
+
+VALIDATE_CHUNK = 1 << 24  # index entries checked per vectorised block (bounded memory on huge indices)
+
 
 def dtype_code(dtype) -> int:
     dtype = np.dtype(dtype)
@@ -150,7 +161,10 @@ class IndexedDataset:
         if bin_size < need_bin:
             raise DatasetError(f"{bpath}: data file is shorter than its index says: {bin_size} bytes, the "
                                f"index needs {need_bin} ({need_bin // self.dtype.itemsize} {self.dtype.name} tokens)")
+        validate_index(ipath, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                       self.dtype.itemsize, bin_size)
         self.bin_size = bin_size
+        self.max_token_id = read_max_token_id(prefix, idx_size, bin_size)
         if mmap:
             self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
         else:
@@ -192,6 +206,10 @@ class IndexedDataset:
             length = seq_len - offset
         return self._read(int(self.sequence_pointers[i]) + int(offset) * self.dtype.itemsize, int(length))
 
+    def document_of(self, sequence: int) -> int:
+        """The document that sequence ``sequence`` belongs to."""
+        return int(np.searchsorted(self.document_indices, sequence, side="right")) - 1
+
     def document(self, d: int) -> list[np.ndarray]:
         """The sequences of document ``d``."""
         lo, hi = int(self.document_indices[d]), int(self.document_indices[d + 1])
@@ -216,6 +234,7 @@ class IndexedDatasetBuilder:
         self._lengths: list[np.ndarray] = []
         self._n_seq = 0
         self._doc_ends: list[int] = [0]
+        self._max_id: Optional[int] = None
 
     def _write(self, tokens) -> int:
         arr = np.asarray(tokens)
@@ -228,6 +247,9 @@ class IndexedDatasetBuilder:
                     raise DatasetError(f"{self.prefix}: token ids {int(arr.min())}..{int(arr.max())} do not fit "
                                        f"the dataset dtype {self.dtype.name}")
             arr = arr.astype(self.dtype)
+        if arr.size:
+            top = int(arr.max())
+            self._max_id = top if self._max_id is None else max(self._max_id, top)
         self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
         return int(arr.size)
 
@@ -272,6 +294,11 @@ class IndexedDatasetBuilder:
         with open(bin_path(other_prefix), "rb") as f:
             while chunk := f.read(1 << 24):
                 self._bin.write(chunk)
+        top = other.max_token_id
+        if top is None and other.num_tokens:  # no record: scan its tokens (memory-mapped)
+            top = int(other._read(0, other.num_tokens).max())
+        if top is not None:
+            self._max_id = top if self._max_id is None else max(self._max_id, top)
         self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
         base = self._n_seq
         self._n_seq += len(other)
@@ -285,6 +312,17 @@ class IndexedDatasetBuilder:
         write_index(tmp_idx, self.dtype, lengths, np.asarray(self._doc_ends, dtype=np.int64))
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
+        self._write_meta()
+
+    def _write_meta(self) -> None:
+        import json
+
+        meta = {"max_token_id": self._max_id, "idx_size": os.path.getsize(idx_path(self.prefix)),
+                "bin_size": os.path.getsize(bin_path(self.prefix)), "dtype": self.dtype.name}
+        tmp = meta_path(self.prefix) + f".tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, meta_path(self.prefix))
 
     def abort(self) -> None:
         """Drop what was written (used when preprocessing fails)."""
@@ -293,6 +331,66 @@ class IndexedDatasetBuilder:
         finally:
             if os.path.exists(self._tmp_bin):
                 os.remove(self._tmp_bin)
+
+
+def validate_index(ipath: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, itemsize: int,
+                   bin_size: int) -> None:
+    """Every entry of an index, in vectorised blocks of ``VALIDATE_CHUNK``: lengths >= 0; each pointer
+    where the previous sequence ends (Megatron writes the sequences back to back from offset 0), so
+    every sequence lies inside the ``.bin``; the document index starts at 0 and never decreases. The
+    first bad entry is one :class:`DatasetError` naming the file, the entry and its value."""
+    n = len(lengths)
+    expected_next = 0  # byte offset where the next sequence must start
+    for lo in range(0, n, VALIDATE_CHUNK):
+        hi = min(n, lo + VALIDATE_CHUNK)
+        length = lengths[lo:hi]
+        bad = np.flatnonzero(length < 0)
+        if bad.size:
+            i = lo + int(bad[0])
+            raise DatasetError(f"{ipath}: corrupt index: sequence {i} has length {int(lengths[i])}")
+        ends = np.cumsum(length, dtype=np.int64) * itemsize + expected_next
+        starts = np.empty_like(ends)
+        starts[0] = expected_next
+        starts[1:] = ends[:-1]
+        bad = np.flatnonzero(pointers[lo:hi] != starts)
+        if bad.size:
+            i = lo + int(bad[0])
+            raise DatasetError(f"{ipath}: corrupt index: sequence {i} points at byte {int(pointers[i])} of the .bin, "
+                               f"but the sequences before it end at byte {int(starts[bad[0]])}")
+        expected_next = int(ends[-1])
+    if expected_next > bin_size:
+        raise DatasetError(f"{bin_path(ipath[:-4])}: data file is shorter than its index says: {bin_size} bytes, "
+                           f"the index needs {expected_next}")
+    if len(documents) and documents[0] != 0:
+        raise DatasetError(f"{ipath}: corrupt index: the document index must start at 0, found {int(documents[0])}")
+    for lo in range(0, max(len(documents) - 1, 0), VALIDATE_CHUNK):
+        hi = min(len(documents), lo + VALIDATE_CHUNK + 1)
+        bad = np.flatnonzero(np.diff(documents[lo:hi]) < 0)
+        if bad.size:
+            d = lo + int(bad[0]) + 1
+            raise DatasetError(f"{ipath}: corrupt index: document entry {d} ({int(documents[d])}) is below the "
+                               f"one before it ({int(documents[d - 1])})")
+
+
+def meta_path(prefix: str) -> str:
+    """``prefix.meta.json``: facts the builder knows about the data (the largest token id), with the
+    sizes of the ``.idx``/``.bin`` it describes (a file rewritten by another tool makes it stale)."""
+    return prefix + ".meta.json"
+
+
+def read_max_token_id(prefix: str, idx_size: int, bin_size: int) -> Optional[int]:
+    """The largest token id recorded by the builder, or None (no record, or one for other files)."""
+    import json
+
+    try:
+        with open(meta_path(prefix)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("idx_size") != idx_size or meta.get("bin_size") != bin_size:
+        return None
+    value = meta.get("max_token_id")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def write_index(path: str, dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:

@@ -13,19 +13,17 @@ from torch import nn
 
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.ops import Linear, build_norm
+from lit_moe.model.decoder import DecoderLayer, block_norm
+from lit_moe.ops import Linear
 
 
 class MTPLayer(nn.Module):
     def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
         super().__init__()
-        from lit_moe.model.transformer import DecoderLayer  # (transformer imports this module)
-
         H = config.hidden_size
-        ln = config.torch_dtype("layernorm_compute_dtype")
 
         def norm() -> nn.Module:
-            return build_norm(config.normalization, H, config.rms_norm_eps, ln, config.fused_norm, dtype=dtype)
+            return block_norm(config, H, dtype)
 
         self.enorm = norm()
         self.hnorm = norm()

@@ -18,12 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_moe.model.attention import AttentionContext, MLAttention
+from lit_moe.model import hf
+from lit_moe.model.attention import AttentionContext
 from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.moe import MLP, MoE
+from lit_moe.model.decoder import DecoderLayer, block_norm
+from lit_moe.model.loss import masked_cross_entropy
+from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
-from lit_moe.ops import LayerNorm, LMHead, RMSNorm, build_norm
+from lit_moe.model.names import canonical_name
+from lit_moe.ops import LayerNorm, LMHead, RMSNorm
 
 
 @dataclass
@@ -39,58 +43,11 @@ class CausalLMOutput:
     """lambda / D * sum_k CE_k (with labels; 0 without MTP)."""
 
 
-def _norm(config: DeepseekV3Config, dim: int, dtype: torch.dtype | None) -> nn.Module:
-    return build_norm(config.normalization, dim, config.rms_norm_eps,
-                      config.torch_dtype("layernorm_compute_dtype"), config.fused_norm, dtype=dtype)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + Attn(norm(x)), then + MLP-or-MoE(norm(x))."""
-
-    def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = _norm(config, config.hidden_size, dtype)
-        self.self_attention = MLAttention(config, layer_idx, dtype=dtype)
-        self.pre_mlp_layernorm = _norm(config, config.hidden_size, dtype)
-        if config.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = MoE(config, dtype=dtype)
-        else:
-            self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
-        self.hidden_dropout = config.hidden_dropout
-        self.torch_compile = config.torch_compile
-
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        if compile_enabled(self.torch_compile, x.device):
-            return compiled(DecoderLayer._forward)(self, x, ctx)
-        return self._forward(x, ctx)
-
-    def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
-
-
-def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(CE * mask) / sum(mask) in fp32 (0 when the mask is empty)."""
-    mask = mask.to(torch.float32)
-    labels = torch.where(mask > 0, labels, 0).long()   # masked labels may be pads (-1, -100): never indexed
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
-
-
 def _shift_left(x: torch.Tensor) -> torch.Tensor:
     """x[:, i] ← x[:, i+1], the last column filled with 0 (no wrap-around)."""
     return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
 
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """Parameter name without activation-checkpoint / FSDP1 / compile wrapper parts."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -113,6 +70,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         # The loss over (logits, labels, mask); tensor parallel swaps in a vocabulary-parallel one.
         self.loss_function = masked_cross_entropy
+        # The MTP input shift; context parallel swaps in one that exchanges chunk-boundary tokens.
+        self.shift_left = _shift_left
         c = config
         dtype = c.torch_dtype("params_dtype")
         self.compute_dtype = c.torch_dtype("compute_dtype")
@@ -122,7 +81,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.position_embeddings = (nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=dtype)
                                         if c.position_embedding_type == "learned_absolute" else None)
             self.layers = nn.ModuleList(DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers))
-            self.norm = _norm(c, c.hidden_size, dtype)
+            self.norm = block_norm(c, c.hidden_size, dtype)
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype)
             self.mtp = nn.ModuleList(MTPLayer(c, c.num_hidden_layers + k, dtype=dtype)
                                      for k in range(c.num_nextn_predict_layers))
@@ -167,7 +126,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         """``b += moe_router_bias_update_rate * sign(mean(c) - c)`` per MoE layer, then zero the counters.
 
         ``counts [n_moe_layers, E]``: tokens per expert summed over the step's micro-batches and the
-        data/context-parallel ranks (the caller all-reduces); None: this process's counters."""
+        data-parallel ranks (the caller all-reduces; tensor/context/expert-parallel ranks of one
+        data-parallel rank route the same tokens); None: this process's counters."""
         layers = self.moe_layers()
         if not layers:
             return
@@ -234,7 +194,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         total = hidden.new_zeros((), dtype=torch.float32)
         ids, lab, msk, pos = input_ids, labels, mask, position_ids
         for layer in self.mtp:
-            ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
+            ids, lab, msk, pos = (self.shift_left(t) for t in (ids, lab, msk, pos))
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
                 total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_fused_loss)(self, hidden, lab, msk)
@@ -265,7 +225,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _fused_loss(self) -> bool:
         # Only for gradients (it computes them in forward) and the plain loss: tensor parallel swaps
         # in a vocabulary-parallel one over sharded logits.
-        return torch.is_grad_enabled() and self.loss_function is masked_cross_entropy
+        # (context parallel wraps the loss but keeps the plain masked mean per shard: ``shard_loss_of``)
+        loss = getattr(self.loss_function, "shard_loss_of", self.loss_function)
+        return torch.is_grad_enabled() and loss is masked_cross_entropy
 
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
@@ -287,16 +249,14 @@ class DeepseekV3ForCausalLM(nn.Module):
     def save_pretrained(self, directory, max_shard_size: Union[int, str] = "5GB",
                         dtype: Optional[torch.dtype] = None) -> None:
         """Write ``config.json`` + safetensors in the Hugging Face DeepSeek-V3 layout."""
-        from lit_moe.checkpoint.hf import save_pretrained
-        save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+        hf.save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
 
     @classmethod
     def from_pretrained(cls, directory, device: Union[str, torch.device] = "cpu",
                         **config_overrides) -> "DeepseekV3ForCausalLM":
         """Load a Hugging Face DeepSeek-V3 directory (ours or a real one); ``config_overrides`` set
         training-side fields (e.g. ``compute_dtype``, ``moe_aux_loss_coeff``)."""
-        from lit_moe.checkpoint.hf import load_pretrained
-        return load_pretrained(directory, device=device, model_cls=cls, **config_overrides)
+        return hf.load_pretrained(directory, cls, device=device, **config_overrides)
 
 
 def _normal_by_name(p: torch.Tensor, std: float, seed: int) -> None:
@@ -312,4 +272,4 @@ def _normal_by_name(p: torch.Tensor, std: float, seed: int) -> None:
         p.copy_(full)
 
 
-__all__ = ["CausalLMOutput", "DecoderLayer", "DeepseekV3ForCausalLM", "canonical_name", "masked_cross_entropy"]
+__all__ = ["CausalLMOutput", "DeepseekV3ForCausalLM"]

@@ -18,15 +18,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+from lit_moe.distributed import local_tensor, world_size
+
 try:  # FSDP2 over an already sharded dimension (experts: ep Shard(0), then FSDP) gives _StridedShard
     from torch.distributed.tensor.placement_types import _StridedShard
     _SHARDS: tuple = (Shard, _StridedShard)
 except ImportError:  # pragma: no cover
     _SHARDS = (Shard,)
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -47,7 +45,7 @@ def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
 def global_grad_norm(parameters: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """L2 norm (fp32) of every gradient of ``parameters`` over all ranks, each value counted once."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    world = _world() if group is None else dist.get_world_size(group)
+    world = world_size(group)
     total: Optional[torch.Tensor] = None
     # Group local shards by their weight so each group is one fused norm.
     by_weight: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
@@ -68,22 +66,18 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], group: Optional[dist.Pr
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
+def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place by ``min(1, max_norm / (total_norm + 1e-6))`` (MindFormers).
 
-    ``coef = max_norm / (norm + 1e-6)`` is applied when below 1 (MindFormers). ``max_norm <= 0``
-    only measures. A non-finite norm leaves the gradients untouched (the skip guard decides)."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, group)
-    if max_norm <= 0 or not params:
-        return norm
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    The one clipping rule of lit_moe: ``max_norm <= 0`` does nothing, and a non-finite norm leaves the
+    gradients untouched (the skip guard decides what happens to such a step)."""
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+    if max_norm <= 0 or not grads:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        by_device.setdefault((local.device, local.dtype), []).append(local)
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
     for (dev, dtype), tensors in by_device.items():
         torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
-    return norm

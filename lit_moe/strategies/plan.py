@@ -239,16 +239,19 @@ def state_bytes(mem: dict[str, int], parallelism: ParallelismConfig) -> int:
 
 
 def device_memory(accelerator: str, local_processes: int) -> tuple[int, str]:
-    """``(bytes, description)`` one rank can use: the accelerator's total memory, or on the CPU the
-    available RAM shared by the processes of this machine."""
-    if accelerator in ("cuda", "gpu") and torch.cuda.is_available():
-        index = int(__import__("os").environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
-        total = torch.cuda.get_device_properties(index).total_memory
-        return total, f"cuda:{index} memory"
-    if accelerator == "npu":
-        npu = getattr(torch, "npu", None)
-        if npu is not None and npu.is_available():
-            return int(npu.get_device_properties(0).total_memory), "npu memory"
+    """``(bytes, description)`` one rank can use: the accelerator's total memory (``torch.cuda``,
+    ``torch.npu``, ...), or on the CPU the available RAM shared by the processes of this machine."""
+    import os
+
+    from lit_moe.strategies.accelerators import device_module
+
+    try:
+        mod = device_module(accelerator)
+    except RuntimeError:  # not a torch device type ("auto", a Lightning alias)
+        mod = None
+    if mod is not None and mod.is_available() and hasattr(mod, "get_device_properties"):
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(mod.device_count(), 1)
+        return int(mod.get_device_properties(index).total_memory), f"{accelerator}:{index} memory"
     available = _available_ram()
     share = available // max(local_processes, 1)
     what = "available RAM" + (f" / {local_processes} processes" if local_processes > 1 else "")

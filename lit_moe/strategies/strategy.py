@@ -6,6 +6,10 @@ A Lightning ``ModelParallelStrategy`` whose ``setup_environment`` builds our mes
 context parallel ranks read the same samples), and whose :meth:`parallelize` applies tensor,
 expert and context parallelism, recompute and FSDP2 (``lit_moe.strategies.parallelize``).
 
+It is the one strategy interface ``LitMoE`` talks to (:class:`lit_moe.step.StepStrategy`), and it
+resumes from lit_moe iteration directories through its own overrides of Lightning's loader hooks
+(:class:`lit_moe.checkpoint.resume.IterationResume`).
+
 The same strategy runs one CPU process (the default of ``lit_moe fit``), N local processes
 (``--trainer.devices N``: Lightning re-launches the command), torchrun and SLURM jobs, on CPU
 (gloo), CUDA (nccl) and Ascend NPU (hccl).
@@ -21,13 +25,15 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
-from lit_moe.config import ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.checkpoint.resume import IterationResume
+from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
 from lit_moe.strategies.accelerators import register_npu_accelerator
-from lit_moe.strategies.clip import clip_grad_norm_ as _clip_grad_norm_
+from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
+from lit_moe.strategies.clip import global_grad_norm
 from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
 
 
-class AscendFSDPStrategy(ModelParallelStrategy):
+class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
     """FSDP2 (+HSDP) with tensor, expert and context parallelism, built from ``parallelism``.
 
     Args:
@@ -38,6 +44,8 @@ class AscendFSDPStrategy(ModelParallelStrategy):
             against the layout at setup.
         accumulate_allreduce_grads_in_fp32: reduce gradients in fp32 (the ``optimizer`` key of the
             same name); False reduces them in ``compute_dtype``.
+        checkpoint: the ``checkpoint`` section; a resume reads ``load_balanced`` and
+            ``load_worker_number`` from it (None: their defaults).
         lightning_kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``). ``timeout`` defaults to
             ``parallelism.process_group_timeout_s``.
@@ -52,6 +60,7 @@ class AscendFSDPStrategy(ModelParallelStrategy):
         recompute_comm: Optional[RecomputeCommConfig] = None,
         model_config: Any = None,
         accumulate_allreduce_grads_in_fp32: bool = True,
+        checkpoint: Optional[CheckpointConfig] = None,
         **lightning_kwargs: Any,
     ) -> None:
         parallelism = parallelism if parallelism is not None else ParallelismConfig()
@@ -67,6 +76,7 @@ class AscendFSDPStrategy(ModelParallelStrategy):
         self.recompute_comm = recompute_comm
         self.model_config = model_config
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        self.checkpoint_config = checkpoint
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
@@ -115,16 +125,17 @@ class AscendFSDPStrategy(ModelParallelStrategy):
         return self.dp_mesh.get_group() if self._meshes_ready() else None
 
     @property
-    def loss_reduce_group(self) -> Optional[dist.ProcessGroup]:
-        """dp × cp ranks: average the loss, sum the MoE token counts."""
+    def expert_count_group(self) -> Optional[dist.ProcessGroup]:
+        """Ranks whose MoE token counts must be summed: dp × cp. Context-parallel ranks route their own
+        shard of the sequence; tensor-parallel ranks route the same tokens (the MoE layer gathers
+        the tp shards), so tp is not summed over."""
         return self.parallel_dims.mesh("dp_cp").get_group() if self._meshes_ready() else None
 
     @property
-    def expert_count_group(self) -> Optional[dist.ProcessGroup]:
-        """Ranks whose MoE token counts must be summed: the data-parallel ranks. The MoE layers see
-        the whole sequence on every tensor- and context-parallel rank (they gather it), so their
-        counts are identical across those ranks."""
-        return self.dp_group
+    def batch_replicas(self) -> int:
+        """Ranks that receive each sample: the tensor- and context-parallel ranks of one
+        data-parallel rank (the sequence is split inside the model)."""
+        return self.parallel_dims.tp * self.parallel_dims.cp
 
     def _meshes_ready(self) -> bool:
         return self._parallel_dims is not None and bool(self._parallel_dims.meshes)
@@ -153,9 +164,15 @@ class AscendFSDPStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------
     # gradients
     # ------------------------------------------------------------------------------------------
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Pre-clip global L2 norm (fp32) over every mesh; clips in place when ``max_norm > 0``."""
-        return _clip_grad_norm_(parameters, max_norm)
+    def grad_norm(self, parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm (fp32) of the gradients over every mesh, each value counted once."""
+        return global_grad_norm(parameters)
+
+    def clip_grads_with_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                              total_norm: torch.Tensor) -> None:
+        """Scale the gradients in place so that their norm ``total_norm`` is at most ``max_norm``
+        (a non-finite norm leaves them untouched)."""
+        _clip_grads_with_norm_(parameters, max_norm, total_norm)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients after this micro-batch (``enabled``) or accumulate them unsharded.

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.strategies import comm
 from lit_moe.strategies.hooks import around_forward, use_local_params
 
@@ -52,12 +53,22 @@ def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -
 
 def _colwise(linear: nn.Module, mesh) -> None:
     distribute_param(linear, "weight", mesh, [Shard(0)])
+    _shard_adapters(linear, mesh, "colwise")
     use_local_params(linear)
 
 
 def _rowwise(linear: nn.Module, mesh) -> None:
     distribute_param(linear, "weight", mesh, [Shard(1)])
+    _shard_adapters(linear, mesh, "rowwise")
     use_local_params(linear)
+
+
+def _shard_adapters(linear: nn.Module, mesh, style: str) -> None:
+    """LoRA layers (:class:`lit_moe.lora.LoRALinear`) name the adapter that is split with the base
+    weight (``lora_b`` rows of a column-parallel layer, ``lora_a`` columns of a row-parallel one);
+    the other adapter is replicated like every remaining parameter."""
+    for name, dim in getattr(linear, "TP_ADAPTER_SHARDS", {}).get(style, {}).items():
+        distribute_param(linear, name, mesh, [Shard(dim)])
 
 
 def _sequence_parallel_block(block: nn.Module, group) -> None:
@@ -127,13 +138,12 @@ def tp_head(model: nn.Module, mesh) -> None:
     if callable(getattr(model, "loss_function", None)):
         original = model.loss_function
 
+        def vocab_parallel_ce(logits, labels):
+            # ``logits`` are this rank's vocabulary columns
+            return comm.vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
+
         def vocab_parallel_loss(logits, labels, mask):
-            # ``logits`` are this rank's vocabulary columns; the model's masked mean is kept.
-            mask = mask.to(torch.float32)
-            labels = torch.where(mask > 0, labels, 0)
-            ce = comm.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                   vocab_start, group)
-            return (ce * mask.reshape(-1)).sum() / mask.sum().clamp_min(1e-8)
+            return masked_cross_entropy(logits, labels, mask, per_token=vocab_parallel_ce)  # the model's mean
 
         vocab_parallel_loss.__wrapped__ = original  # type: ignore[attr-defined]
         model.loss_function = vocab_parallel_loss

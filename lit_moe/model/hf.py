@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.names import canonical_name
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,6 @@ def _merged_expert_key(hf_key: str) -> Optional[tuple[str, int, str]]:
 
 
 def _canonical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    from lit_moe.model.transformer import canonical_name
     for name, t in model.state_dict(keep_vars=True).items():
         yield canonical_name(name), t
 
@@ -355,14 +355,12 @@ def _ignorable(key: str, config: DeepseekV3Config) -> bool:
     return False
 
 
-def load_pretrained(directory: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-                    model_cls: Optional[type] = None, **config_overrides: Any) -> torch.nn.Module:
-    """Build a ``DeepseekV3ForCausalLM`` from a Hugging Face DeepSeek-V3 directory.
+def load_pretrained(directory: Union[str, os.PathLike], model_cls: type, device: Union[str, torch.device] = "cpu",
+                    **config_overrides: Any) -> torch.nn.Module:
+    """Build a ``model_cls`` (``DeepseekV3ForCausalLM``) from a Hugging Face DeepSeek-V3 directory.
 
     Missing tensors, unexpected tensors, shape mismatches and FP8 weights are errors naming the key.
     ``config_overrides`` set fields of our config (training-side ones such as ``compute_dtype``)."""
-    if model_cls is None:
-        from lit_moe.model.transformer import DeepseekV3ForCausalLM as model_cls
     directory = Path(directory)
     cfg_path = directory / CONFIG_FILE
     if not cfg_path.exists():

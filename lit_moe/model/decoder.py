@@ -1,0 +1,48 @@
+"""The decoder block shared by the main stack and the MTP depths: x + Attn(norm(x)), then
++ MLP-or-MoE(norm(x))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_moe.model.attention import AttentionContext, MLAttention
+from lit_moe.model.compile import compile_enabled, compiled
+from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.moe import MLP, MoE
+from lit_moe.ops import build_norm
+
+
+def block_norm(config: DeepseekV3Config, dim: int, dtype: torch.dtype | None) -> nn.Module:
+    """The configured norm (``normalization``, eps, compute dtype, fused kernel) over ``dim``."""
+    return build_norm(config.normalization, dim, config.rms_norm_eps,
+                      config.torch_dtype("layernorm_compute_dtype"), config.fused_norm, dtype=dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + Attn(norm(x)), then + MLP-or-MoE(norm(x))."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = block_norm(config, config.hidden_size, dtype)
+        self.self_attention = MLAttention(config, layer_idx, dtype=dtype)
+        self.pre_mlp_layernorm = block_norm(config, config.hidden_size, dtype)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = MoE(config, dtype=dtype)
+        else:
+            self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
+        self.hidden_dropout = config.hidden_dropout
+        self.torch_compile = config.torch_compile
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        if compile_enabled(self.torch_compile, x.device):
+            return compiled(DecoderLayer._forward)(self, x, ctx)
+        return self._forward(x, ctx)
+
+    def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
+
+

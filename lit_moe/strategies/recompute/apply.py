@@ -1,0 +1,143 @@
+"""Applying a plan to a model in place (parameter names never change), undoing it, and what FSDP
+needs to know about recomputed blocks."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from typing import Any, Callable
+
+from torch import nn
+
+from lit_moe.config import RecomputeCommConfig, RecomputeConfig
+from lit_moe.strategies.recompute.paths import _drop_children, _match, _under, addressable_paths
+from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputeWarning, validate_recompute
+from lit_moe.strategies.recompute.hooks import _CheckpointedForward, _ModuleCall, _draws_random_numbers
+from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _ScopedForward
+
+
+# ----------------------------------------------------------------------------------------------
+# apply
+# ----------------------------------------------------------------------------------------------
+log = logging.getLogger(__name__)
+
+_APPLIED = "_lit_moe_recompute"  # model attribute: (plan, undo list)
+
+
+def _wrap_forward(module: nn.Module, wrapper: Callable, path: str, undo: list) -> None:
+    undo.append((module, "forward", module.__dict__.get("forward")))
+    call = _ModuleCall(module, module.forward)
+    undo.append((call, None, None))
+    module.forward = wrapper(call, path)
+
+
+def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list, wrapper: Callable) -> None:
+    fn = getattr(owner, attr)
+    undo.append((owner, attr, fn))
+    setattr(owner, attr, wrapper(fn, path))
+
+
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
+                    recompute_comm: RecomputeCommConfig | dict | None, parallel_dims: Any = None) -> None:
+    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place.
+
+    Call it after tensor/expert/context parallel and before FSDP. Calling it again with the same
+    sections is a no-op (Lightning's ``configure_model`` may run more than once); with different
+    sections it is an error (call :func:`remove_recompute` first). ``parallel_dims`` is accepted for
+    the strategy's convenience; recompute behaves the same on one device and on many.
+    """
+    blocks = list(model.blocks())
+    plan = validate_recompute(recompute, recompute_comm, len(blocks))
+    applied = getattr(model, _APPLIED, None)
+    if applied is not None:
+        if applied[0] == plan:
+            return
+        raise RuntimeError("apply_recompute: the model already has a different recompute applied; "
+                           "call remove_recompute(model) first")
+    undo: list = []
+    rng = _draws_random_numbers(model)
+
+    def make_checkpointed(forward: Callable, path: str) -> _CheckpointedForward:
+        return _CheckpointedForward(forward, path, preserve_rng_state=rng)
+
+    def make_output_recomputed(fn: Callable, path: str) -> _OutputRecomputed:
+        return _OutputRecomputed(fn, path, preserve_rng_state=rng)
+
+    matched_select: dict[str, bool] = {p: False for p, _ in plan.select}
+    matched_comm: dict[str, bool] = {p: False for p, _ in plan.comm}
+    summary: list[str] = []
+    fsdp_layers: list[int] = []
+
+    for layer_id, block in enumerate(blocks):
+        paths = addressable_paths(block)
+        order = list(paths)
+        fsdp = [p for p, layers in plan.comm if layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER)]
+        if fsdp:  # independent of activation recompute: parameters are re-gathered either way
+            block._lit_moe_reshard_after_forward = True
+            undo.append((block, "_lit_moe_reshard_after_forward", None))
+            matched_comm.update(dict.fromkeys(fsdp, True))
+            fsdp_layers.append(layer_id)
+        if layer_id in plan.full_layers:
+            _match(plan.select, layer_id, order, matched_select)  # counts as a hit; the layer covers it
+            dropped = _match(plan.comm, layer_id, order, matched_comm)
+            if dropped:
+                log.info("recompute_comm: layer %d is recomputed whole, %s already recomputed", layer_id, dropped)
+            _wrap_forward(block, make_checkpointed, f"layers[{layer_id}]", undo)
+            summary.append(f"{layer_id}: whole layer")
+            continue
+
+        selected = _drop_children(_match(plan.select, layer_id, order, matched_select), order)
+        checkpointed = [p for p in selected if paths[p][1] is None]
+        # communication steps already inside a recomputed region are recomputed with it
+        comm = [p for p in _drop_children(_match(plan.comm, layer_id, order, matched_comm), order)
+                if p not in selected and not _under(p, checkpointed)]
+
+        output_recomputed = [p for p in selected if paths[p][1] is not None] + comm
+        for p in checkpointed:
+            _wrap_forward(paths[p][0], make_checkpointed, p, undo)
+        for p in output_recomputed:
+            module, attr = paths[p]
+            if attr is None:
+                _wrap_forward(module, make_output_recomputed, p, undo)
+            else:
+                _wrap_attr(module, attr, p, undo, make_output_recomputed)
+        if output_recomputed:
+            _wrap_forward(block, _ScopedForward, f"layers[{layer_id}]", undo)
+        if checkpointed or output_recomputed:
+            parts = [f"recompute {checkpointed}"] if checkpointed else []
+            parts += [f"recompute output of {output_recomputed}"] if output_recomputed else []
+            summary.append(f"{layer_id}: " + ", ".join(parts))
+
+    for section, matched in (("recompute.select_module", matched_select), ("recompute_comm.select_module", matched_comm)):
+        for pattern, hit in matched.items():
+            if not hit:
+                warnings.warn(f"{section}[{pattern!r}] matches no module or function in its layers; "
+                              "nothing is recomputed for it", RecomputeWarning, stacklevel=2)
+    if fsdp_layers:
+        summary.append(f"FSDP all-gather recomputed (resharded after forward) in layers {fsdp_layers}")
+    if summary:
+        log.info("recompute: %s", "; ".join(summary))
+    # a plain attribute (not a sub-module): the list holds references to sub-modules
+    object.__setattr__(model, _APPLIED, (plan, undo))
+
+
+def remove_recompute(model: nn.Module) -> None:
+    """Undo :func:`apply_recompute` (restores every wrapped ``forward`` and function attribute)."""
+    applied = getattr(model, _APPLIED, None)
+    if applied is None:
+        return
+    for owner, attr, previous in reversed(applied[1]):
+        if isinstance(owner, _ModuleCall):
+            owner.restore()
+        elif previous is None:
+            owner.__dict__.pop(attr, None)
+        else:
+            setattr(owner, attr, previous)
+    object.__delattr__(model, _APPLIED)
+
+
+def fsdp_reshard_after_forward(block: nn.Module, default: bool) -> bool:
+    """``reshard_after_forward`` for ``fully_shard(block)``: True when ``recompute_comm`` selected
+    this layer's FSDP all-gather (:data:`FSDP_ALL_GATHER`), else ``default``."""
+    return True if getattr(block, "_lit_moe_reshard_after_forward", False) else default

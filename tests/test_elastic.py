@@ -1,0 +1,120 @@
+"""Rank death on CPU/gloo, two ranks, through the real CLI:
+
+* the reference two-rank run under torchrun, whose final save fails on rank 1 (a full disk): rank 0
+  does not move the tracker, no directory or debris of that step is left, both ranks say so in one
+  line;
+* ``torchrun --max-restarts 1`` with rank 1 SIGKILLed at the start of step 3: the agent restarts both
+  workers, they rendezvous afresh, auto-resume from step 2 and finish with the losses of an
+  uninterrupted two-rank run (bit for bit);
+* ``torchrun --max-restarts 0``, the same kill: rank 0 exits within seconds with one line naming
+  rank 1, not a gloo traceback;
+* rank 1 SIGSTOPped (alive, holding its sockets): rank 0's collective times out after
+  ``parallelism.process_group_timeout_s`` (20 s here) and the same line names rank 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+import helpers  # noqa: E402
+from test_resilience import FLAGS, config, probe, tracker  # noqa: E402
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join([str(helpers.ROOT), str(TESTS)])
+    return env
+
+
+def torchrun(tmp_path: Path, cfg: Path, restarts: int, timeout: float = 400) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+           "--monitor-interval", "0.5", "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS]
+    return subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _rank_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "stopped answering" in ln]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted two-rank run; rank 1's disk is full for the final save (step 6), which the
+    losses of steps 1..6 do not see."""
+    tmp = tmp_path_factory.mktemp("dp2_reference")
+    cfg = config(tmp, "ref.yaml", checkpoint={"save_interleaved_steps": 4},  # step 6: the end-of-training save
+                 callbacks=[("FailWrites", {"step": 6, "rank": 1})])
+    proc = torchrun(tmp, cfg, 0)
+    return {"probe": probe(tmp), "proc": proc, "save": tmp / "ckpt"}
+
+
+def test_one_rank_failing_during_a_commit_does_not_advance_the_tracker(reference):
+    proc, save = reference["proc"], reference["save"]
+    assert proc.returncode != 0 and sorted(reference["probe"]) == [1, 2, 3, 4, 5, 6], proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit_moe: error")]
+    assert len(errors) == 2 and proc.stderr.count("No space left on device") == 2, proc.stderr[-3000:]  # no traceback
+    for line in errors:  # both ranks report the same failure
+        assert "iteration_00000006 failed: rank 1: OSError: [Errno 28] No space left on device" in line
+    assert tracker(save) == "4" and not (save / "iteration_00000006").exists()
+    assert not list(save.glob(".iteration_*"))
+
+
+def test_restarted_workers_resume_and_finish_with_the_uninterrupted_losses(tmp_path, reference):
+    cfg = config(tmp_path, "run.yaml", callbacks=[("KillAt", {"step": 3, "rank": 1, "restart": 0})])
+    proc = torchrun(tmp_path, cfg, 1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming from" in proc.stderr and "iteration_00000002, step 2" in proc.stderr
+    got, reference = probe(tmp_path), reference["probe"]
+    assert sorted(got) == sorted(reference) == [1, 2, 3, 4, 5, 6]
+    assert [got[s]["restart"] for s in sorted(got)] == [0, 0, 1, 1, 1, 1]  # 3..6 ran in the second attempt
+    for step in reference:
+        assert (got[step]["loss"], got[step]["lr"]) == (reference[step]["loss"], reference[step]["lr"]), step
+
+
+def test_without_restarts_the_survivor_names_the_dead_rank_within_seconds(tmp_path):
+    marker = tmp_path / "killed_at"
+    cfg = config(tmp_path, "run.yaml", callbacks=[("KillAt", {"step": 3, "rank": 1, "marker": str(marker)})])
+    proc = torchrun(tmp_path, cfg, 0)
+    ended = time.time()
+    assert proc.returncode != 0
+    lines = _rank_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("lit_moe: error: rank 1 stopped answering"), proc.stderr[-4000:]
+    assert "rank 0 gives up" in lines[0]
+    assert "[rank0]: Traceback" not in proc.stderr and "RuntimeError: [" not in proc.stderr.replace(lines[0], "")
+    assert ended - float(marker.read_text()) < 20  # the kill, the diagnosis (3 s), torchrun's shutdown
+
+
+def test_a_stopped_rank_is_caught_by_the_process_group_timeout(tmp_path):
+    pid_file = tmp_path / "stopped.pid"
+    cfg = config(tmp_path, "run.yaml", callbacks=[("StopAt", {"step": 3, "rank": 1})])
+    env = {**_env(), "LIT_MOE_TEST_STOPPED_PID": str(pid_file)}
+    cmd = [sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.devices", "2",
+           "--parallelism.process_group_timeout_s", "20"]
+    err_path = tmp_path / "stderr.txt"
+    # output to a file, not a pipe: the stopped rank keeps its inherited descriptors open until killed
+    with open(err_path, "w") as err, open(os.devnull, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=err)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if pid_file.exists() and pid_file.read_text():
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    stderr = err_path.read_text()
+    assert code == 1, stderr[-4000:]
+    lines = _rank_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("lit_moe: error: rank 1 stopped answering"), stderr[-4000:]
+    assert "Timed out waiting 20000ms" in lines[0]

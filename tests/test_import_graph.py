@@ -1,0 +1,139 @@
+"""The package's import graph: no circles, and nothing imported upward.
+
+Read from the source with ``ast`` (function-level imports included: a lazy import is still a
+dependency), so the check needs no imports and takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Bottom first. A module may import only modules of its own layer or below; within one layer the
+# graph must still have no cycle.
+LAYERS = [
+    ["lit_moe", "lit_moe.config", "lit_moe.config_file", "lit_moe.tool_errors", "lit_moe.step",
+     "lit_moe.distributed", "lit_moe.elastic", "lit_moe.peers", "lit_moe.preemption"],
+    ["lit_moe.ops"],
+    ["lit_moe.model"],
+    ["lit_moe.data", "lit_moe.optim", "lit_moe.schedules", "lit_moe.lora"],
+    ["lit_moe.checkpoint"],
+    ["lit_moe.strategies"],
+    ["lit_moe.callbacks", "lit_moe.evaluation"],
+    ["lit_moe.convert_config"],
+    ["lit_moe.module"],
+    ["lit_moe.cli"],
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "lit_moe").rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:  # ``from pkg import submodule`` depends on the submodule
+                    sub = f"{target}.{a.name}"
+                    deps.add(sub if sub in mods else target)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if module == prefix or (prefix != "lit_moe" and module.startswith(prefix + ".")):
+                if best is None or len(prefix) > len(best[1]):
+                    best = (i, prefix)
+    assert best is not None, f"{module} is in no layer of LAYERS: add it"
+    return best[0]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read_correctly():
+    graph = import_graph()
+    # known edges, one per import form: plain, from-module, from-package-submodule, function-level
+    assert "lit_moe.step" in graph["lit_moe.module"]
+    assert "lit_moe.model.hf" in graph["lit_moe.model.transformer"]
+    assert "lit_moe.checkpoint.safejson" in graph["lit_moe.checkpoint.callback"]
+    assert "lit_moe.optim" in graph["lit_moe.strategies.plan"]        # imported inside a function
+    # the checker itself finds a planted cycle and a planted upward import
+    planted = {**graph, "lit_moe.model.moe": graph["lit_moe.model.moe"] | {"lit_moe.model.transformer"}}
+    assert any("lit_moe.model.moe" in c for c in cycles(planted))
+    assert layer_of("lit_moe.model.moe") < layer_of("lit_moe.checkpoint.iteration")
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("lit_moe.brand_new_module")
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_nothing_is_imported_upward():
+    upward = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
+                    if layer_of(d) > layer_of(m))
+    assert upward == []
+
+
+def test_the_step_contract_is_a_leaf():
+    graph = import_graph()
+    for leaf in ("lit_moe.step", "lit_moe.distributed", "lit_moe.model.names", "lit_moe.model.loss"):
+        assert graph[leaf] == set(), (leaf, graph[leaf])

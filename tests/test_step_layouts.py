@@ -1,0 +1,221 @@
+"""The real training step under parallel layouts: ``LitMoE`` + ``lightning.Trainer`` + ``AscendFSDPStrategy``
+on CPU/gloo in fp32, compared with the same ``LitMoE`` step in one process.
+
+Unlike ``test_parallel_numerics.py`` (the model and ``parallelize`` under a plain training loop), this
+drives the module's own step: accumulation across ranks (``1/A``), ``set_gradient_sync`` with
+``gradient_sync_every_microbatch: false``, the strategy's global norm and clipping, the module's loss,
+token-count and expert-count reductions, AdamW with its parameter groups and the LR schedule, expert
+biases, and a step skipped by a ``StepGuard`` under FSDP. One ``torch.distributed.run`` launch per world
+size runs every layout of that size (each its own Trainer and meshes).
+
+The single-process reference sees the global batch of each step as one micro-batch; every sample has
+the same number of loss tokens, so the mean over micro-batches and ranks is the mean over the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
+
+STEPS = 3
+GLOBAL = 8
+SKIP_AT = 2
+
+
+def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False):
+    return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
+                mtp=0 if cp > 1 else 1)
+
+
+LAYOUTS = {
+    # A = 2 on two ranks, gradients reduced only after the last micro-batch
+    "dp2_a2_nosync": _layout(2, accumulation=2, sync=False),
+    "tp2_a2": _layout(2, tp=2, accumulation=2),
+    "hsdp2x2_a2": _layout(4, shard=2, accumulation=2),
+    "cp2_tp2": _layout(4, cp=2, tp=2, accumulation=2),
+    "tp2_ep2": _layout(4, tp=2, ep=2),
+    # FSDP over 4 ranks, step 2 vetoed by a StepGuard: nothing changes, the next step goes on from step 1
+    "dp4_skip": _layout(4, skip=True),
+}
+
+
+def batches() -> torch.Tensor:
+    g = torch.Generator().manual_seed(4321)
+    return torch.randint(0, VOCAB, (STEPS, GLOBAL, SEQ + 1), generator=g)
+
+
+def build_run(spec: dict, dp_rank_of=None):
+    """(module, datamodule, callbacks) of one layout; the data follow the strategy's data-parallel rank."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lit_moe.config import TrainingConfig
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.module import LitMoE
+    from lit_moe.step import StepGuard
+
+    A = spec["accumulation"]
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            kw = self.trainer.strategy.distributed_sampler_kwargs
+            d, D = kw["rank"], kw["num_replicas"]
+            b = GLOBAL // (D * A)
+            data = batches()
+            rows = [{"input_ids": data[s, (d * A + k) * b:(d * A + k + 1) * b, :-1],
+                     "labels": data[s, (d * A + k) * b:(d * A + k + 1) * b, 1:]}
+                    for s in range(STEPS) for k in range(A)]
+            return DataLoader(rows, batch_size=None)
+
+    class SkipStep(StepGuard):
+        def should_skip(self, trainer, pl_module, grad_norm):
+            return trainer.global_step + 1 == SKIP_AT
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            m = pl_module.step_metrics
+            self.rows.append(dict(
+                step=m.step, loss=m.loss, aux_loss=m.aux_loss, mtp_loss=m.mtp_loss, grad_norm=m.grad_norm,
+                lr=m.lr, skipped=m.skipped, tokens=m.tokens, micro=len(m.micro_losses),
+                tokens_per_expert=m.moe.tokens_per_expert.tolist(), layer_aux=m.moe.aux_loss.tolist(),
+                expert_bias=m.moe.expert_bias.tolist()))
+
+    cfg = DeepseekV3Config(**model_section(spec["mtp"]))
+    training = TrainingConfig(steps=STEPS, local_batch_size=GLOBAL // (spec["dp"] * A), global_batch_size=GLOBAL,
+                              max_norm=1.0, seed=7)
+    optimizer = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    schedule = {"type": "CosineWithWarmUpLR", "learning_rate": 3e-3, "warmup_steps": 1, "lr_end": 3e-4}
+    module = LitMoE(cfg, optimizer, schedule, training, accumulation_steps=A)
+    record = Record()
+    callbacks = [record] + ([SkipStep()] if spec["skip"] else [])
+    return module, Data(), callbacks, record, cfg
+
+
+def fit(spec: dict, strategy, devices: int) -> list[dict]:
+    import lightning as L
+
+    module, data, callbacks, record, _ = build_run(spec)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(module, datamodule=data)
+    return record.rows
+
+
+def dp_size(spec: dict) -> int:
+    return spec["world"] // (spec["tp"] * spec["cp"])
+
+
+def run_layout(name: str) -> list[dict]:
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    spec = dict(LAYOUTS[name], dp=dp_size(LAYOUTS[name]))
+    parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
+                                    context_parallel=spec["cp"], expert_parallel=spec["ep"],
+                                    gradient_sync_every_microbatch=spec["sync"])
+    strategy = AscendFSDPStrategy(parallelism=parallelism,
+                                  model_config=DeepseekV3Config(**model_section(spec["mtp"])))
+    return fit(spec, strategy, spec["world"])
+
+
+def worker_main(names: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    for name in names:
+        rows = run_layout(name)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            Path(out_dir, f"{name}.json").write_text(json.dumps(rows))
+        dist.barrier()
+
+
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def layout_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step_layouts")
+    for world in (2, 4):
+        launch(world, [n for n, s in LAYOUTS.items() if s["world"] == world], out)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One process, the global batch as one micro-batch: per (mtp depth, skip)."""
+    import torch.distributed as dist
+
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    out = {}
+    try:
+        for mtp, skip in sorted({(s["mtp"], s["skip"]) for s in LAYOUTS.values()}):
+            spec = dict(_layout(1, skip=skip), mtp=mtp, dp=1)
+            out[(mtp, skip)] = fit(spec, AscendFSDPStrategy(), 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return out
+
+
+def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return bool(torch.all((a - b).abs() <= rel * b.abs() + abs_))
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_real_step_matches_one_process(name, layout_results, references):
+    spec = LAYOUTS[name]
+    got, ref = layout_results[name], references[(spec["mtp"], spec["skip"])]
+    assert [r["step"] for r in got] == [1, 2, 3]                       # one record per optimizer step
+    assert all(r["micro"] == spec["accumulation"] for r in got)        # A micro-batches in each
+    assert [r["skipped"] for r in got] == [r["skipped"] for r in ref] == [k + 1 == SKIP_AT and spec["skip"]
+                                                                         for k in range(STEPS)]
+    for g, r in zip(got, ref):
+        assert g["tokens"] == r["tokens"] == GLOBAL * SEQ                # every token counted once
+        assert g["tokens_per_expert"] == r["tokens_per_expert"], name   # summed over dp ranks only
+        assert g["lr"] == pytest.approx(r["lr"], rel=1e-12)
+        for key in ("loss", "aux_loss", "grad_norm", "layer_aux"):
+            assert _close(g[key], r[key]), (name, g["step"], key, g[key], r[key])
+        assert (g["mtp_loss"] is None) == (r["mtp_loss"] is None)
+        if r["mtp_loss"] is not None:
+            assert _close(g["mtp_loss"], r["mtp_loss"]), (name, g["step"])
+        assert _close(g["expert_bias"], r["expert_bias"], abs_=1e-7), (name, g["step"])
+    # the reference really trained: losses and biases move between steps
+    assert ref[0]["loss"] != ref[-1]["loss"] and ref[0]["expert_bias"] != ref[-1]["expert_bias"]
+    if spec["skip"]:
+        # the skipped step changed nothing: step 3 sees the biases of step 1
+        assert got[1]["expert_bias"] == got[0]["expert_bias"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])
