@@ -324,7 +324,7 @@ class TurnTaking(_Callback):
         if self.memory is not None:
             tensor_peak, self.memory = self.memory.stop(), None
         m = pl_module.step_metrics
-        self.chan.send(event="step", time=dt, loss=m.get("loss"), rss=rss_bytes() - self.baseline_rss,
+        self.chan.send(event="step", time=dt, loss=m.loss, rss=rss_bytes() - self.baseline_rss,
                        tensor_peak=tensor_peak)
         if trainer.global_step < trainer.max_steps:
             self._wait_turn(trainer, pl_module)
@@ -499,7 +499,7 @@ class DistRecorder(_Callback):
         if trainer.is_global_zero:
             with open(self.out_path, "w") as f:
                 json.dump({"times": self.times, "comm": self.comm, "world_size": trainer.world_size,
-                           "tokens_per_step": pl_module.step_metrics.get("tokens")}, f)
+                           "tokens_per_step": pl_module.step_metrics.tokens}, f)
 
 
 def communication_time(prof) -> dict:

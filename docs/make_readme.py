@@ -33,7 +33,8 @@ SECTIONS = [
 ]
 
 # Topic pages, in README order.
-TOPICS = ["optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "callbacks.md"]
+TOPICS = ["optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "evaluation.md", "lora.md",
+          "callbacks.md"]
 
 
 def _load(path: str):
@@ -125,9 +126,11 @@ def render() -> str:
            "`--config` files merge the same way. `--print_config` prints the resolved configuration (every "
            "fixed section with its defaults, only the `trainer` keys you set): loaded again it is the same "
            "run. Before anything is allocated, `fit` compares each rank's parameters, gradients and optimizer "
-           "state (the bytes `lit_moe plan` prints) with one device's memory (on a CPU: the available RAM "
-           "shared by this machine's processes) and refuses, in one line with both numbers, a model that "
-           "cannot fit.", "",
+           "state with one device's memory (on a CPU: the available RAM shared by this machine's processes) "
+           "and refuses, in one line with both numbers, a model that cannot fit. On one rank the bytes are "
+           "exactly those `lit_moe plan` prints; on several, the whole model's bytes divided by the ranks (a "
+           "lower bound of every rank's share, so the refusal is never wrong; `lit_moe plan` gives the exact "
+           "per-rank numbers).", "",
            "Top-level keys besides the sections: `callbacks` (user callbacks), `gradient_accumulation_steps` "
            "(graph mode's option, translated into `training.global_batch_size`), MindFormers' `lora_config` "
            "and `eval_dataset` (parsed; a non-null value is refused: not implemented yet) and "

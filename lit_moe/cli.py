@@ -106,9 +106,10 @@ class LitMoECLI(LightningCLI):
                             help="User callbacks: a list of {class_path, init_args}.")
         parser.add_argument("--gradient_accumulation_steps", type=Optional[int], default=None,
                             help="Graph-mode option: translated into training.global_batch_size.")
-        for name in ("lora_config", "eval_dataset"):
-            parser.add_argument(f"--{name}", type=Optional[dict[str, Any]], default=None,
-                                help=f"MindFormers' `{name}` section (not implemented yet: must be null).")
+        parser.add_argument("--lora_config", type=Optional[dict[str, Any]], default=None,
+                            help="MindFormers' LoRA section (lit_moe/lora.py); null: no adapters.")
+        parser.add_argument("--eval_dataset", type=Optional[dict[str, Any]], default=None,
+                            help="Evaluation data shaped like train_dataset (lit_moe/evaluation.py).")
         parser.add_argument("--use_remove_redundant_dataset", type=bool, default=False,
                             help="MindFormers top-level key; accepted, no effect.")
 
@@ -158,15 +159,19 @@ class Run:
         from lightning.pytorch import Trainer
         from lightning.pytorch.callbacks import ProgressBar
 
+        from lit_moe.callbacks.console import RunSummary, console_is_terminal, quiet_lightning
+        from lit_moe.callbacks.loggers import combine_loggers
         from lit_moe.callbacks.progress import StepProgressBar
 
+        quiet_lightning()
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
         defaults = {
             "max_steps": self.training.steps,
             "max_epochs": -1,
             "precision": "32-true",  # compute dtype comes from the model section via the strategy
             "strategy": self.strategy,
-            "logger": self.logger if self.logger is not None else False,
+            "logger": combine_loggers(self.logger, None) or False,
+            "enable_model_summary": False,  # RunSummary prints one line instead of the table
             "enable_checkpointing": False,  # our checkpoint callback owns the iteration directories
             "num_sanity_val_steps": 0,
             "limit_val_batches": 0,
@@ -189,7 +194,12 @@ class Run:
         merged = {**defaults, **explicit}
         if merged.get("strategy") in (None, "auto"):
             merged["strategy"] = self.strategy
-        callbacks = self.callbacks + user_callbacks
+        if "logger" in explicit:  # trainer.logger: extra loggers beside the TensorBoard dashboards
+            merged["logger"] = combine_loggers(self.logger, explicit["logger"]) or False
+        callbacks = [RunSummary(self.model_config, self.training.global_batch_size, self.training.local_batch_size,
+                                self.seq_length, self.accumulation_steps)] + self.callbacks + user_callbacks
+        if "enable_progress_bar" not in explicit and not console_is_terminal():
+            merged["enable_progress_bar"] = False   # no terminal: plain log lines only
         if merged.get("enable_progress_bar", True) is not False and \
                 not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(StepProgressBar())
@@ -358,9 +368,10 @@ def build_run(cfg: Any) -> Run:
     run.context = context
     run.model_config = model_config
     run.accumulation_steps = accumulation
+    run.seq_length = seq_length
     run.ckpt_path = load.ckpt_path
     run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
-                        weights_loader=load.weights_loader)
+                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
@@ -374,6 +385,11 @@ def build_run(cfg: Any) -> Run:
 
     resolved = _resolved_config(cfg)
     builtin = list(build_callbacks(monitor, profiler, context, model_config, seq_length, resolved))
+    from lit_moe.evaluation import build_evaluation
+
+    evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
+    if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
+        builtin.insert(len(builtin) - 1, evaluation)
     ckpt_cb = build_checkpoint_callback(checkpoint)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
@@ -395,7 +411,7 @@ def _namespace_to_dict(ns: Any) -> dict:
 
 def _resolved_config(cfg: Any) -> dict:
     out = {}
-    for key in list(FIXED_SECTIONS) + list(OPEN_SECTIONS) + ["callbacks"]:
+    for key in list(FIXED_SECTIONS) + list(OPEN_SECTIONS) + ["callbacks", "lora_config", "eval_dataset"]:
         value = cfg.get(key)
         if hasattr(value, "__dict__") and not isinstance(value, dict):
             value = _namespace_to_dict(value)

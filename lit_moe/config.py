@@ -103,6 +103,13 @@ class TrainingConfig:
     """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. Validated with
     MindFormers' rules (three positive ints, levels divisible by ``data_parallel * local_batch_size``),
     then refused: ramp-up is not implemented yet. null: ``global_batch_size`` throughout."""
+    eval_interval: int = 0
+    """Optimizer steps between evaluations (0: never): a no-grad pass over the valid split of the train
+    blend (``train_dataset.dataloader.sizes[1]``) or over the ``eval_dataset`` section, logged as
+    ``val/loss`` and ``val/ppl`` (see ``lit_moe/evaluation.py``)."""
+    eval_iters: int = 10
+    """Micro-batches (of ``local_batch_size``) per data-parallel rank in each evaluation; the same
+    samples every time."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,17 +148,19 @@ class ParallelismConfig:
     ``tensor_parallel > 1``; null or true mean that; false with ``tensor_parallel > 1`` is MindFormers'
     error."""
     context_parallel: int = 1
-    """Context-parallel degree: the sequence is split across this many ranks."""
+    """Context-parallel degree: the sequence is split across this many ranks (zig-zag: 2·cp chunks,
+    rank r holds chunks r and 2·cp-1-r, so causal attention work is equal on every rank)."""
     context_parallel_method: str = "colossal"
-    """``colossal`` (contiguous sequence chunks, keys/values gathered over the context-parallel group:
-    what lit_moe implements), ``ulysses`` or ``hybrid`` (validated with MindFormers' rules; not yet
-    implemented when ``context_parallel > 1``)."""
+    """How attention sees the other ranks' tokens: ``colossal`` (all-gather keys and values),
+    ``ulysses`` (all-to-all from sequence shards to head shards and back; the heads per
+    tensor-parallel rank must divide by context_parallel) or ``hybrid`` (ulysses inside groups of
+    ``ulysses_degree_in_cp`` ranks, all-gather across the groups)."""
     context_parallel_async: bool = False
-    """Asynchronous context-parallel communication; with ``context_parallel > 1`` MindFormers allows it
-    only with ``ulysses`` and ``hybrid`` (its error otherwise)."""
+    """Overlap the ulysses all-to-alls with attention (head groups pipelined). MindFormers allows it
+    for ``ulysses`` and ``hybrid`` only."""
     ulysses_degree_in_cp: Optional[int] = None
-    """Ulysses degree inside the context-parallel group: ``ulysses`` needs it equal to
-    ``context_parallel`` (or null), ``hybrid`` needs ``1 < u < context_parallel`` dividing it."""
+    """Ulysses degree u: ``ulysses`` needs it unset or equal to context_parallel; ``hybrid`` needs
+    1 < u < context_parallel with context_parallel % u == 0."""
     context_parallel_mask_type: str = "causal"
     """Only ``causal`` (MindFormers' only value)."""
     pipeline_parallel: int = 1
@@ -507,15 +516,10 @@ def check_not_yet_sections(swap: "SwapConfig", recompute: RecomputeConfig, top: 
         if ops:
             raise not_yet("recompute.exclude_op", list(ops), "saving chosen ops' outputs inside recomputed "
                           "layers", "remove the key, or select modules with recompute.select_module")
-    for key, what in (("lora_config", "LoRA adapters"), ("eval_dataset", "evaluation during training")):
+    for key in ("lora_config", "eval_dataset"):   # their keys: lit_moe.lora.lora_settings, lit_moe.evaluation
         value = top.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of keys or null, got {value!r}")
-        if key == "lora_config" and not value.get("target_modules"):
-            raise ConfigError("lora_config.target_modules: required (a regex of the linear layers to adapt)")
-        raise not_yet(key, "{...}", what, f"remove the {key} section (or set it to null)")
     flag = top.get("use_remove_redundant_dataset", False)
     if not isinstance(flag, bool):
         raise ConfigError(f"use_remove_redundant_dataset: expected true or false, got {flag!r}")

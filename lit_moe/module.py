@@ -50,6 +50,7 @@ class LitMoE(LightningModule):
         accumulation_steps: micro-batches per optimizer step on each rank (``A``).
         weights_loader: called with the materialised model after initialisation, to load weights
             only (fine-tuning from a checkpoint or a Hugging Face directory).
+        lora: the ``lora_config`` section (:func:`lit_moe.lora.lora_settings`); None: no adapters.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class LitMoE(LightningModule):
         training: TrainingConfig,
         accumulation_steps: int = 1,
         weights_loader: Optional[Callable[[torch.nn.Module], None]] = None,
+        lora: Any = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -69,6 +71,11 @@ class LitMoE(LightningModule):
         self.training_config = training
         self.accumulation_steps = int(accumulation_steps)
         self.weights_loader = weights_loader
+        from lit_moe.lora import check_lora_targets, lora_settings
+
+        self.lora = lora_settings(lora)
+        if self.lora is not None:
+            check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
         self.step_metrics: Optional[StepMetrics] = None   # the last finished step
         self.skipped_steps = 0
@@ -100,13 +107,25 @@ class LitMoE(LightningModule):
         # Build on the meta device: a 671B config never materialises whole on one rank.
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(self.model_config)
+        if self.lora is not None:   # adapters before the layout, so that it shards them too
+            from lit_moe.lora import apply_lora
+
+            apply_lora(model, self.lora)
         model = strategy.parallelize(model)
         model.to_empty(device=strategy.root_device)
         # Layout-independent init from the run seed; a resumed run overwrites it with the
         # checkpoint afterwards (Lightning restores after configure_model), never the reverse.
         model.init_weights(self.training_config.seed)
+        if self.lora is not None:
+            from lit_moe.lora import init_adapters
+
+            init_adapters(model, self.training_config.seed)
         if self.weights_loader is not None:
             self.weights_loader(model)
+        if self.lora is not None:   # base weights frozen: the optimizer sees the adapters only
+            from lit_moe.lora import freeze_base
+
+            freeze_base(model)
         self.model = model
 
     def forward(self, **batch: torch.Tensor):
@@ -298,8 +317,8 @@ class LitMoE(LightningModule):
         extra = torch.cat([extra, aux_sum.to(extra)[:, None]], dim=1)
         ranks = 1
         if is_distributed():
-            # Summed over data-parallel ranks only: the tensor/context/expert-parallel ranks of one
-            # data-parallel rank route the same tokens (the MoE layer sees the whole sequence).
+            # Summed over dp × cp (each context-parallel rank routes its own tokens); the tensor/
+            # expert-parallel ranks of one group route the same tokens.
             group = self.step_strategy.expert_count_group
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)

@@ -126,7 +126,7 @@ class StepStrategy(Protocol):
 
     @property
     def expert_count_group(self) -> Optional[dist.ProcessGroup]:
-        """Ranks over which MoE token counts are summed (data parallel); None: one process."""
+        """Ranks over which MoE token counts are summed (data × context parallel); None: one process."""
 
     @property
     def batch_replicas(self) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_moe.callbacks import (CPUAffinity, GlobalNormSkipGuard, MoEMetrics, StepLogger, StepProfiler,
+from lit_moe.callbacks import (CPUAffinity, GlobalNormSkipGuard, LoggerBridge, MoEMetrics, StepLogger, StepProfiler,
                                ThroughputMFU, TrainStateMonitor, build_callbacks, load_callbacks,
                                merge_callbacks, parse_cpu_list, plan_affinity)
 from lit_moe.config import (AffinityConfig, ConfigError, ContextConfig, MonitorConfig, ProfilerConfig)
@@ -203,17 +203,18 @@ def test_build_callbacks_wiring(tmp_path):
     cbs = build_callbacks(monitor, profiler, context, None, 16, {"training": {"steps": 7}})
     types = [type(c) for c in cbs]
     assert types == [CPUAffinity, StepProfiler, TrainStateMonitor, GlobalNormSkipGuard, ThroughputMFU,
-                     MoEMetrics, StepLogger]
+                     MoEMetrics, StepLogger, LoggerBridge]
     guard = cbs[3]
     assert (guard.threshold, guard.max_consecutive, guard.embedding_threshold) == (100.0, 10, 100.0)
-    assert cbs[-1].total_steps == 7
-    assert cbs[5].heatmap_dir == os.path.join(str(tmp_path / "tb"), "expert_load")
+    assert cbs[6].total_steps == 7
+    # heatmap PNGs go into the TensorBoard run's own directory, found when training starts
+    assert cbs[5].heatmap_dir is None and cbs[5].heatmap_in_log_dir
     # a user ThroughputMFU with a peak replaces the built-in and keeps its FLOPs per token
     cbs[4].flops_per_token = 123.0
     user = ThroughputMFU(peak_flops=5e14)
     merged = merge_callbacks(cbs, [user, StepLogger()])
     assert merged[4] is user and user.flops_per_token == 123.0 and user.peak_flops == 5e14
-    assert isinstance(merged[-1], StepLogger) and merged[-1] is not cbs[-1] and len(merged) == 7
+    assert isinstance(merged[6], StepLogger) and merged[6] is not cbs[6] and len(merged) == 8
 
 
 def test_build_callbacks_rejects_bad_sections():

@@ -79,6 +79,7 @@ def megatron_config(seq_length: int, seed: int = 1234, blend=None, split: str = 
     flags.setdefault("reset_position_ids", False)
     flags.setdefault("reset_attention_mask", False)
     flags.setdefault("eod_mask_loss", False)
+    flags.setdefault("create_attention_mask", False)   # as dataloader_section: both sides make the same columns
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return m.gpt_dataset.GPTDatasetConfig(
@@ -117,9 +118,10 @@ def assert_same_samples(ours, theirs, count=None, columns=None, every=1) -> None
     picks = sorted(set(range(0, n, every)) | ({n - 1} if n else set()))
     for i in picks:
         a, b = ours[i], megatron_sample(theirs[i])
-        for key in columns or b.keys():
-            if key not in a:
-                continue
+        keys = list(columns or b.keys())
+        # every column megatron-core produces (or the caller names) must be ours too: none is skipped
+        assert set(keys) <= set(a), f"sample {i}: columns {sorted(set(keys) - set(a))} missing from ours"
+        for key in keys:
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"sample {i}, column {key}")
 
 

@@ -94,7 +94,7 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
     """AdamW training of ``model`` on this rank's share of the fixed batches."""
     import torch.distributed as dist
 
-    from lit_moe.strategies import clip_grad_norm_
+    from lit_moe.strategies import clip_grads_with_norm_, global_grad_norm
 
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, weight_decay=0.01, foreach=False)
     data = batches()
@@ -118,7 +118,9 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
             objective = (res.loss + res.aux_loss + res.mtp_loss) / accumulation
             objective.backward()
             total += res.loss.detach().float() / accumulation
-        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)
+        clip_grads_with_norm_(params, 1.0, norm)
         out["grad_dtypes"] = sorted({str(_local(p.grad).dtype) for p in model.parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -195,7 +197,7 @@ def run_layout(name: str) -> dict:
     model, dims = build(spec)
     dp_mesh = dims.mesh("dp")
     result = train(model, dims, dp_rank=dp_mesh.get_local_rank(), dp=dims.dp, accumulation=spec["accumulation"],
-                   sync_every_micro=spec["sync"], count_group=dp_mesh.get_group(), docs=spec["docs"])
+                   sync_every_micro=spec["sync"], count_group=dims.mesh("dp_cp").get_group(), docs=spec["docs"])
     result["memory"] = memory_report(model, dims)
     result["memory"]["optimizer"] = result.pop("optimizer_state_bytes")
     if dims.ep > 1:
@@ -334,11 +336,11 @@ def worker_main(names: list[str], out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------------
-def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300) -> None:
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, script: Path = Path(__file__)) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
+           str(script.resolve()), "--worker", str(out_dir), *names]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     if proc.returncode != 0:
         raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -402,18 +404,22 @@ def test_bf16_compute_keeps_fp32_state(layout_results, references):
     assert got["activation_dtypes"] == ["torch.bfloat16"]
     assert got["param_dtypes"] == got["grad_dtypes"] == got["optimizer_state_dtypes"] == ["torch.float32"]
     ref = references[(1, False, False)]
-    assert abs(got["loss"][0] - ref["loss"][0]) <= 2e-2 * ref["loss"][0]
+    # bf16 compute vs the fp32 single-process run: measured 7e-4 (loss) and 4e-3 (pre-clip grad norm)
+    # relative; the bounds leave ~4x margin and no room for a wrong layer
+    assert abs(got["loss"][0] - ref["loss"][0]) <= 3e-3 * ref["loss"][0]
+    assert abs(got["grad_norm"][0] - ref["grad_norm"][0]) <= 2e-2 * ref["grad_norm"][0]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [n for n in LAYOUTS])
 def test_sharded_memory(name, layout_results):
-    """Point 8: per-rank parameter and AdamW-state bytes are within 10% of total / N plus the
-    replicated remainder (measured from the local shards of rank 0)."""
+    """Point 8: per-rank parameter and AdamW-state bytes are exactly total / N of each sharded tensor
+    plus the replicated remainder (measured from the local shards of rank 0; every sharded dimension
+    of this model divides evenly, so there is no padding to allow for)."""
     mem = layout_results[name]["memory"]
-    assert abs(mem["local"] - mem["expected"]) <= 0.10 * mem["expected"], mem
+    assert mem["local"] == mem["expected"], mem
     # AdamW keeps two fp32 moments per local parameter value
-    assert abs(mem["optimizer"] - 2 * mem["local"]) <= 0.10 * 2 * mem["local"], mem
+    assert mem["optimizer"] == 2 * mem["local"], mem
     assert mem["local"] < mem["total"]
 
 

@@ -137,3 +137,74 @@ def test_command_line_shows_progress(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "preprocess: 100%" in proc.stderr  # the progress bar
     assert "50 documents" in proc.stdout and "cli_text_document" in proc.stdout
+
+
+def write_parquet(path, texts, key="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({key: texts, "id": list(range(len(texts)))}), str(path), row_group_size=7)
+    return str(path)
+
+
+def test_parquet_input_matches_jsonl(tmp_path, capsys):
+    texts = [f"row {i}: " + "words " * (i % 5) for i in range(40)] + [""]
+    src = write_parquet(tmp_path / "in.parquet", texts, key="body")
+    jsonl = write_jsonl(tmp_path / "in.jsonl", texts, key="body")
+    for workers in (1, 2):
+        assert run("--input", src, "--output-prefix", tmp_path / f"pq{workers}", "--tokenizer", "byte",
+                   "--json-key", "body", "--workers", workers) == 0
+    assert run("--input", jsonl, "--output-prefix", tmp_path / "js", "--tokenizer", "byte", "--json-key", "body") == 0
+    ds = IndexedDataset(str(tmp_path / "pq1_body_document"))
+    assert [bytes(ds[i][:-1].astype(np.uint8)).decode() for i in range(len(ds))] == [t for t in texts if t]
+    for prefix in ("pq2", "js"):
+        for suffix in (".bin", ".idx"):
+            assert (tmp_path / f"pq1_body_document{suffix}").read_bytes() == \
+                (tmp_path / f"{prefix}_body_document{suffix}").read_bytes()
+    # a missing column and a non-string cell are one-line errors naming the file
+    assert run("--input", src, "--output-prefix", tmp_path / "bad", "--tokenizer", "byte", "--workers", 2) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "in.parquet: no column 'text'" in err, err
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["ok", None]}), str(tmp_path / "none.parquet"))
+    assert run("--input", tmp_path / "none.parquet", "--output-prefix", tmp_path / "n", "--tokenizer", "byte") == 2
+    assert "none.parquet: row 2: 'text' is NoneType, not a string" in capsys.readouterr().err
+    assert not any(p.name.startswith(("bad_", "n_")) for p in tmp_path.iterdir())
+
+
+def test_hugging_face_tokenizer_directory(tmp_path, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    hf_dir = tmp_path / "hf_tok"
+    # EOD is the directory's eos_token (here <pad>, not the first EOD candidate <eod> a bare
+    # tokenizer.json would give)
+    PreTrainedTokenizerFast(tokenizer_file=builtin_tokenizer_path("austen"), eos_token="<pad>",
+                            bos_token="<eod>").save_pretrained(hf_dir)
+    assert (hf_dir / "tokenizer_config.json").is_file()
+    src = write_jsonl(tmp_path / "in.jsonl", TEXTS)
+    assert run("--input", src, "--output-prefix", tmp_path / "d", "--tokenizer", hf_dir, "--workers", 2) == 0
+    tok = Tokenizer.from_file(builtin_tokenizer_path("austen"))
+    ds = IndexedDataset(str(tmp_path / "d_text_document"))
+    nonempty = [t for t in TEXTS if t]
+    for i, text in enumerate(nonempty):
+        assert ds[i].tolist() == tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<pad>")]
+    assert run("--input", src, "--output-prefix", tmp_path / "e", "--tokenizer", hf_dir, "--eod-token", "<nope>") == 2
+    assert "'<nope>' is not in the vocabulary" in capsys.readouterr().err
+    (hf_dir / "tokenizer.json").unlink()
+    assert run("--input", src, "--output-prefix", tmp_path / "f", "--tokenizer", hf_dir) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a loadable Hugging Face tokenizer directory" in err, err
+
+
+def test_progress_bar_reports_tokens_per_second(tmp_path):
+    src = write_parquet(tmp_path / "in.parquet", ["some text"] * 50)
+    proc = subprocess.run([sys.executable, "-m", "lit_moe.data.preprocess", "--input", src, "--output-prefix",
+                           str(tmp_path / "cli"), "--tokenizer", "byte", "--workers", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"preprocess: 100%.*tokens/s", proc.stderr), proc.stderr
+    # 50 documents of 9 bytes + EOD
+    assert "50 documents, 500 tokens" in proc.stdout and "tokens/s" in proc.stdout

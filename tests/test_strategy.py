@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lit_moe.config import ConfigError, ParallelismConfig
-from lit_moe.strategies import ParallelDims, ParallelismError, clip_grad_norm_, global_grad_norm
+from lit_moe.strategies import ParallelDims, ParallelismError, clip_grads_with_norm_, global_grad_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +91,8 @@ def _model(**kw):
 MODEL_BAD = [
     (dict(world_size=8, tp=8), _model(), 32, ["tensor_parallel", "8", "num_attention_heads 4"]),
     (dict(world_size=8, ep=4), _model(n_routed_experts=6), 32, ["expert_parallel", "4", "n_routed_experts 6"]),
-    (dict(world_size=4, tp=2, cp=2), _model(), 30, ["30", "context_parallel(2)", "tensor_parallel(2)", "4"]),
+    (dict(world_size=4, tp=2, cp=2), _model(), 36, ["36", "2 * context_parallel(2)", "tensor_parallel(2)", "8"]),
     (dict(world_size=4, tp=2), _model(vocab_size=511), 32, ["vocab_size 511"]),
-    (dict(world_size=4, cp=2), _model(num_nextn_predict_layers=1), 32, ["context_parallel", "num_nextn_predict_layers 1"]),
     (dict(world_size=4, tp=2), _model(position_embedding_type="learned_absolute"), 32, ["learned_absolute"]),
     (dict(world_size=4, ep=2), _model(n_routed_experts=0), 32, ["expert_parallel", "n_routed_experts"]),
 ]
@@ -209,6 +208,19 @@ def test_strategy_sampler_and_groups_follow_the_dp_mesh(fake_world):
     assert s.parallel_dims.ep == 2
 
 
+def test_expert_counts_are_summed_over_dp_and_cp(fake_world):
+    """Context-parallel ranks route their own tokens: counts sum over dp × cp, not over tp."""
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    fake_world(8, rank=5)
+    s = AscendFSDPStrategy(parallelism=ParallelismConfig(tensor_parallel=2, context_parallel=2))
+    dims = s._make_parallel_dims(8)
+    dims.build_meshes("cpu")
+    s._parallel_dims = dims
+    assert dist.get_world_size(s.dp_group) == 2
+    assert dist.get_world_size(s.expert_count_group) == 4 == dims.dp * dims.cp
+
+
 def test_gradient_sync_switch(fake_world):
     """``gradient_sync_every_microbatch: False`` turns FSDP's reduce-scatter off between micro-batches."""
     from torch.distributed.fsdp import FSDPModule
@@ -294,6 +306,13 @@ def test_no_hard_coded_device_type_in_the_strategy_code():
 # ----------------------------------------------------------------------------------------------
 # gradient norm (one process; the multi-mesh cases run in test_parallel_numerics)
 # ----------------------------------------------------------------------------------------------
+def clip_grad_norm_(params, max_norm):
+    """The module's clipping path: the global norm, then the one clipping rule."""
+    norm = global_grad_norm(params)
+    clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def test_clip_grad_norm_matches_torch():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4))]

@@ -53,7 +53,17 @@ def test_torchrun_two_processes_tensor_and_expert_parallel(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     steps = [m.groups() for m in STEP.finditer(log)]
     assert [s[0] for s in steps] == ["1", "2"], log[-3000:]
-    assert all(0.0 < float(s[2]) < 20.0 for s in steps)
+    # the same run in one process without parallelism (fp32): the same losses
+    del cfg["parallelism"]
+    single = subprocess.run([sys.executable, "-m", "lit_moe.cli", "fit", "--config",
+                             str(write_config(tmp_path, cfg, "single.yaml")), "--trainer.accelerator", "cpu"],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr[-4000:]
+    ref = [m.groups() for m in STEP.finditer(single.stdout + single.stderr)]
+    assert [s[0] for s in ref] == ["1", "2"]
+    for (_, _, loss), (_, _, want) in zip(steps, ref):
+        assert abs(float(loss) - float(want)) <= 1e-4 * float(want), (steps, ref)
+    assert ref[0][2] != ref[1][2]                     # the model trained between the two steps
 
 
 @pytest.mark.timeout(300)

@@ -7,13 +7,13 @@ with :func:`load_callbacks` and combines them with :func:`merge_callbacks`.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from lightning.pytorch import Callback
 
 from lit_moe.callbacks._common import emit
 from lit_moe.callbacks.affinity import CPUAffinity, parse_cpu_list, plan_affinity
+from lit_moe.callbacks.loggers import LoggerBridge, build_logger, combine_loggers
 from lit_moe.callbacks.moe_metrics import MoEMetrics, layer_stats
 from lit_moe.callbacks.profiler import StepProfiler
 from lit_moe.callbacks.progress import StepProgressBar
@@ -26,25 +26,12 @@ from lit_moe.callbacks.user import load_callbacks
 from lit_moe.step import GradientObserver, StepGuard, StepMetrics
 
 __all__ = [
-    "CPUAffinity", "GlobalNormSkipGuard", "GradientObserver", "StepMetrics", "KNOWN_PEAK_FLOPS", "MoEMetrics", "SkipLimitExceeded",
+    "CPUAffinity", "GlobalNormSkipGuard", "GradientObserver", "StepMetrics", "KNOWN_PEAK_FLOPS", "LoggerBridge",
+    "MoEMetrics", "SkipLimitExceeded",
     "StepGuard", "StepLogger", "StepProfiler", "StepProgressBar", "ThroughputMFU", "TrainStateMonitor",
-    "build_callbacks", "build_logger", "known_peak_flops", "layer_stats", "load_callbacks",
+    "build_callbacks", "build_logger", "combine_loggers", "known_peak_flops", "layer_stats", "load_callbacks",
     "measure_matmul_peak", "merge_callbacks", "parse_cpu_list", "plan_affinity", "throughput_metrics",
 ]
-
-
-def build_logger(monitor: Any) -> Optional[Any]:
-    """The run's TensorBoardLogger writing straight into ``monitor.tensorboard.output_dir`` (no
-    name/version subfolders), or None when ``output_dir`` is empty. Our callbacks write to it with
-    the optimizer step as x-axis; the module should not ``self.log`` the same ``train/*`` tags."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    tb = monitor.tensorboard
-    check_log_interval(tb.log_interval)
-    if not tb.output_dir:
-        return None
-    return TensorBoardLogger(save_dir=tb.output_dir, name="", version="", default_hp_metric=False,
-                             max_queue=tb.queue_size)
 
 
 def _flops_per_token(model_config: Any, seq_length: int) -> Optional[float]:
@@ -62,7 +49,8 @@ def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any
                     resolved_config: Any, peak_flops: Optional[float] = None) -> list[Callback]:
     """The built-in callbacks of a run: affinity, profiler, train-state lines (a gradient
     observer), skip protection, throughput (the owner of tokens/s and MFU, asked by the console
-    line), MoE metrics, step logger. None of them depends on another's position in the list."""
+    line), MoE metrics, step logger, and the bridge that hands their scalars to every
+    ``trainer.logger`` logger. None of them depends on another's position in the list."""
     log_interval = check_log_interval(monitor.tensorboard.log_interval)
     callbacks: list[Callback] = []
 
@@ -97,7 +85,7 @@ def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any
     callbacks.append(MoEMetrics(
         log_interval=log_interval, save_tokens_per_expert_interval=mm.save_tokens_per_expert_interval,
         target_layers=mm.target_layers,
-        heatmap_dir=os.path.join(output_dir, "expert_load") if output_dir else None))
+        heatmap_in_log_dir=bool(output_dir)))
 
     total_steps = None
     if isinstance(resolved_config, dict):
@@ -106,6 +94,7 @@ def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any
         total_steps = getattr(getattr(resolved_config, "training", None), "steps", None)
     callbacks.append(StepLogger(log_interval=log_interval, total_steps=total_steps,
                                 resolved_config=resolved_config))
+    callbacks.append(LoggerBridge(hparams=resolved_config if isinstance(resolved_config, dict) else None))
     return callbacks
 
 

@@ -39,9 +39,13 @@ def is_log_step(step: int, interval: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 def emit(line: str, *, error: bool = False) -> None:
     """Print one line (stdout, or stderr for warnings) and flush, so that lines of concurrent
-    ranks are not interleaved mid-line."""
+    ranks are not interleaved mid-line. Through ``tqdm.write``: on a terminal the line appears above
+    the progress bar instead of through it."""
+    from tqdm import tqdm
+
     stream = sys.stderr if error else sys.stdout
-    print(line, file=stream, flush=True)
+    tqdm.write(line, file=stream)
+    stream.flush()
 
 
 def fmt(value: Optional[float], spec: str = ".6f") -> str:
@@ -82,16 +86,12 @@ def to_float(value: Any) -> Optional[float]:
 # TensorBoard
 # ----------------------------------------------------------------------------------------------
 def tb_writer(trainer: Any) -> Any:
-    """The SummaryWriter of the run's TensorBoardLogger, on global rank 0 only (None elsewhere or
-    when TensorBoard is off)."""
-    if not getattr(trainer, "is_global_zero", True):
-        return None
-    from lightning.pytorch.loggers import TensorBoardLogger
+    """What callbacks write to, on global rank 0 only (None elsewhere or with no logger at all):
+    TensorBoard's SummaryWriter, behind :func:`lit_moe.callbacks.loggers.metrics_writer` so that
+    scalars also reach the ``trainer.logger`` loggers."""
+    from lit_moe.callbacks.loggers import metrics_writer
 
-    for logger in getattr(trainer, "loggers", None) or []:
-        if isinstance(logger, TensorBoardLogger):
-            return logger.experiment
-    return None
+    return metrics_writer(trainer)
 
 
 def add_scalar(writer: Any, tag: str, value: Optional[float], step: int,
@@ -113,9 +113,12 @@ def add_png(writer: Any, tag: str, png: bytes, height: int, width: int, step: in
         from tensorboardX.proto.summary_pb2 import Summary
     else:
         from tensorboard.compat.proto.summary_pb2 import Summary
+    file_writer = writer._get_file_writer()
+    if file_writer is None:   # scalars-only loggers: images stay in TensorBoard
+        return
     image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
     summary = Summary(value=[Summary.Value(tag=tag, image=image)])
-    writer._get_file_writer().add_summary(summary, step)
+    file_writer.add_summary(summary, step)
 
 
 def check_log_interval(value: Any, field: str = "monitor.tensorboard.log_interval") -> int:

@@ -1,30 +1,27 @@
-"""The expert-load heatmap: a layers × experts image of each expert's token share, and a tiny PNG
-encoder (zlib + the PNG chunk layout) so no imaging library is needed."""
+"""The expert-load heatmap, drawn with matplotlib: rows = MoE layers, columns = experts, colour =
+each expert's tokens divided by its layer's mean (1 = perfectly balanced), with labelled axes, a
+colour bar, and the step and worst imbalance in the title.
+
+Rendered off-screen (Agg, an explicit ``Figure``: no pyplot global state, safe in any thread) to PNG
+bytes that go both to TensorBoard and to a file, so the two are the same picture.
+"""
 
 from __future__ import annotations
 
+import io
+import math
 import struct
-import zlib
+from typing import Optional, Sequence
 
 import torch
 
-# Colour ramp from low to high load: dark blue → teal → green → yellow (a viridis-like ramp, easy to
-# read and colour-blind friendly). Anchors are evenly spaced on [0, 1].
-_RAMP = torch.tensor([
-    [68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37],
-], dtype=torch.float32)
-
 MAX_LOAD_RATIO = 2.0
-"""Load ratios (count / layer mean) at or above this get the top colour; a balanced layer is mid-ramp."""
+"""Top of the colour scale (load ratio = count / layer mean); higher ratios get the top colour (the
+bar is drawn with an arrow there). A fixed scale keeps the colours of different steps comparable."""
 
-
-def colourise(t: torch.Tensor) -> torch.Tensor:
-    """Values in [0, 1] → uint8 RGB by linear interpolation along the ramp. Shape [..., 3]."""
-    t = t.clamp(0, 1) * (len(_RAMP) - 1)
-    lo = t.floor().long().clamp(max=len(_RAMP) - 2)
-    frac = (t - lo).unsqueeze(-1)
-    rgb = _RAMP[lo] * (1 - frac) + _RAMP[lo + 1] * frac
-    return rgb.round().to(torch.uint8)
+MIN_WIDTH_PX = 640
+DPI = 100
+ANNOTATE_MAX_CELLS = 256   # write the ratio in each cell when there are at most this many
 
 
 def load_ratios(tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -34,29 +31,81 @@ def load_ratios(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.where(mean > 0, counts / mean.clamp(min=1e-12), torch.zeros_like(counts))
 
 
-def heatmap_image(tokens_per_expert: torch.Tensor, cell_w: int | None = None,
-                  cell_h: int | None = None) -> torch.Tensor:
-    """uint8 RGB image [H, W, 3]: row = MoE layer, column = expert, colour = load ratio scaled so that
-    0 is the bottom and ``MAX_LOAD_RATIO`` the top of the ramp."""
-    n_layers, n_experts = tokens_per_expert.shape
-    cell_w = cell_w or max(1, min(16, 1024 // n_experts))
-    cell_h = cell_h or max(4, min(16, 512 // n_layers))
-    rgb = colourise((load_ratios(tokens_per_expert) / MAX_LOAD_RATIO).float())   # [L, E, 3]
-    return rgb.repeat_interleave(cell_h, dim=0).repeat_interleave(cell_w, dim=1).contiguous()
+def max_imbalance(tokens_per_expert: torch.Tensor) -> Optional[float]:
+    """max/mean tokens per expert of the worst layer (None when no layer routed a token)."""
+    ratios = load_ratios(tokens_per_expert)
+    routed = tokens_per_expert.detach().double().cpu().sum(dim=1) > 0
+    return float(ratios[routed].max()) if bool(routed.any()) else None
 
 
-def encode_png(rgb: torch.Tensor) -> bytes:
-    """PNG bytes of a uint8 [H, W, 3] image (8-bit truecolour, no interlace, filter 0 per row)."""
-    if rgb.dtype != torch.uint8 or rgb.dim() != 3 or rgb.shape[2] != 3:
-        raise ValueError(f"encode_png: expected uint8 [H, W, 3], got {rgb.dtype} {tuple(rgb.shape)}")
-    height, width, _ = rgb.shape
-    rows = rgb.cpu().numpy()
-    raw = b"".join(b"\x00" + rows[y].tobytes() for y in range(height))
+def _ticks(n: int, most: int = 32) -> list[int]:
+    stride = max(1, math.ceil(n / most))
+    return list(range(0, n, stride))
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6))
-            + chunk(b"IEND", b""))
+def heatmap_figure(tokens_per_expert: torch.Tensor, layer_names: Optional[Sequence[str]] = None,
+                   step: Optional[int] = None):
+    """The matplotlib ``Figure`` of the heatmap of ``tokens_per_expert [L, E]`` (token counts of one
+    step). ``layer_names`` label the rows (default ``layer0..``); ``step`` goes into the title with
+    the worst layer's imbalance (max/mean)."""
+    from matplotlib.figure import Figure
+
+    counts = tokens_per_expert.detach().double().cpu()
+    n_layers, n_experts = counts.shape
+    names = list(layer_names) if layer_names is not None else [f"layer{i}" for i in range(n_layers)]
+    if len(names) != n_layers:
+        raise ValueError(f"render_heatmap: {len(names)} layer names for {n_layers} rows")
+    ratios = load_ratios(counts).numpy()
+
+    width_in = max(MIN_WIDTH_PX / DPI, min(16.0, 2.5 + 0.3 * n_experts))
+    height_in = max(3.2, min(12.0, 1.6 + 0.35 * n_layers))
+    fig = Figure(figsize=(width_in, height_in), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(ratios, aspect="auto", interpolation="nearest", cmap="viridis",
+                      vmin=0.0, vmax=MAX_LOAD_RATIO, origin="upper")
+    bar = fig.colorbar(image, ax=ax, extend="max" if ratios.size and ratios.max() > MAX_LOAD_RATIO else "neither")
+    bar.set_label("tokens / layer mean (1 = balanced)")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    xt, yt = _ticks(n_experts), _ticks(n_layers)
+    ax.set_xticks(xt, [str(e) for e in xt])
+    ax.set_yticks(yt, [names[i] for i in yt])
+    if n_layers * n_experts <= ANNOTATE_MAX_CELLS:
+        for i in range(n_layers):
+            for e in range(n_experts):
+                value = ratios[i, e]
+                ax.text(e, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if value > 0.6 * MAX_LOAD_RATIO else "white")
+    worst = max_imbalance(counts)
+    title = "expert load"
+    if step is not None:
+        title += f", step {step}"
+    title += f"  |  max imbalance {worst:.2f} (max/mean)" if worst is not None else "  |  no tokens routed"
+    ax.set_title(title)
+    return fig
+
+
+def figure_png(fig) -> bytes:
+    """8-bit RGB PNG bytes of a figure."""
+    rgba = io.BytesIO()
+    fig.savefig(rgba, format="png", dpi=DPI, facecolor="white")
+    # 8-bit RGB (what TensorBoard's image summary declares), via Pillow, which matplotlib depends on
+    from PIL import Image
+
+    rgb = io.BytesIO()
+    Image.open(io.BytesIO(rgba.getvalue())).convert("RGB").save(rgb, format="PNG", optimize=True)
+    return rgb.getvalue()
+
+
+def render_heatmap(tokens_per_expert: torch.Tensor, layer_names: Optional[Sequence[str]] = None,
+                   step: Optional[int] = None) -> bytes:
+    """PNG bytes of :func:`heatmap_figure`."""
+    return figure_png(heatmap_figure(tokens_per_expert, layer_names, step))
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
+        raise ValueError("png_size: not a PNG")
+    width, height = struct.unpack(">II", png[16:24])
+    return int(width), int(height)

@@ -15,8 +15,9 @@ Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N..
 ``moe/drop_rate`` (all layers). Every ``save_tokens_per_expert_interval`` steps (default 50; the
 per-expert series are layers × experts scalars, too many to write every step for a large model):
 ``moe/layer{i}/tokens_per_expert/expert{e}`` and the expert-load heatmap (image ``moe/expert_load``
-and ``<heatmap_dir>/expert_load_step{N:08d}.png``; rows = reported layers, columns = experts,
-colour = tokens / layer mean).
+and ``<heatmap_dir>/expert_load_step{N:08d}.png``, drawn by :mod:`lit_moe.callbacks.heatmap`; rows =
+reported layers, columns = experts, colour = tokens / layer mean). The built-in run puts the PNG
+files in the TensorBoard run's own directory (``<output_dir>/<name>/version_<n>/expert_load``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
-from lit_moe.callbacks.heatmap import encode_png, heatmap_image
+from lit_moe.callbacks.heatmap import png_size, render_heatmap
 from lit_moe.step import MoEStepStats, StepMetrics
 
 DEFAULT_EXPERT_INTERVAL = 50
@@ -99,12 +100,15 @@ class MoEMetrics(Callback):
         save_tokens_per_expert_interval: per-expert counts and heatmap every N steps (None: 50).
         target_layers: None (all MoE layers), an int (the first N MoE layers) or a list of block ids.
         heatmap_dir: where the heatmap PNGs go (None: TensorBoard image only).
+        heatmap_in_log_dir: with no ``heatmap_dir``, put the PNGs in ``expert_load`` inside the
+            TensorBoard logger's run directory (name/version), found when training starts.
         drop_rate: report drop rates; None decides from the model config (a capacity is set).
     """
 
     def __init__(self, log_interval: int = 1, save_tokens_per_expert_interval: Optional[int] = None,
                  target_layers: Union[None, int, list[int]] = None,
-                 heatmap_dir: Optional[str] = None, drop_rate: Optional[bool] = None) -> None:
+                 heatmap_dir: Optional[str] = None, drop_rate: Optional[bool] = None,
+                 heatmap_in_log_dir: bool = False) -> None:
         field = "monitor.moe_monitor"
         self.log_interval = check_log_interval(log_interval, "MoEMetrics.log_interval")
         self.expert_interval = (_check_interval(save_tokens_per_expert_interval,
@@ -121,6 +125,7 @@ class MoEMetrics(Callback):
                                   f"layers) or a list of layer ids >= 0, got {target_layers!r}")
         self.target_layers = target_layers
         self.heatmap_dir = heatmap_dir
+        self.heatmap_in_log_dir = heatmap_in_log_dir
         self.drop_rate = drop_rate
         self._rows: Optional[list[int]] = None   # rows of the moe tensors to report
         self._names: Optional[list[str]] = None  # their layer names
@@ -143,6 +148,11 @@ class MoEMetrics(Callback):
             self.drop_rate = capacity_is_set(pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.heatmap_dir is None and self.heatmap_in_log_dir:
+            from lit_moe.callbacks.loggers import tensorboard_log_dir
+
+            log_dir = tensorboard_log_dir(trainer)
+            self.heatmap_dir = str(Path(log_dir) / "expert_load") if log_dir else None
         model = getattr(pl_module, "model", None)
         if hasattr(model, "moe_layers"):
             n = len(list(model.moe_layers()))
@@ -190,9 +200,9 @@ class MoEMetrics(Callback):
             self.write_heatmap(writer, moe.tokens_per_expert[self._rows], step)
 
     def write_heatmap(self, writer: Any, tokens_per_expert: torch.Tensor, step: int) -> Optional[Path]:
-        image = heatmap_image(tokens_per_expert)
-        png = encode_png(image)
-        add_png(writer, "moe/expert_load", png, image.shape[0], image.shape[1], step)
+        png = render_heatmap(tokens_per_expert, self._names, step)
+        width, height = png_size(png)
+        add_png(writer, "moe/expert_load", png, height, width, step)
         if not self.heatmap_dir:
             return None
         path = Path(self.heatmap_dir) / f"expert_load_step{step:08d}.png"

@@ -4,7 +4,8 @@ Exports a trained checkpoint (a ``save_path``, whose tracker is followed, or one
 directory, written by any parallel layout) to the Hugging Face ``save_pretrained`` layout that
 ``transformers.DeepseekV3ForCausalLM.from_pretrained`` loads. The model is rebuilt from the
 config's ``model`` section in one process on the CPU; a config that does not match the checkpoint
-fails with the mismatched tensors named.
+fails with the mismatched tensors named. When the config has a ``lora_config``, the checkpoint's
+LoRA adapters are merged into the weights (``W + alpha/r · B A``), so the export is a plain model.
 """
 
 from __future__ import annotations
@@ -54,9 +55,21 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
     reader = IterationReader(find_iteration_dir(path))
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
+    lora = data.get("lora_config")
+    if lora is not None:
+        from lit_moe.lora import apply_lora, is_adapter_name
+
+        if not any(is_adapter_name(k) for k in reader.index("model").keys()):
+            raise ConfigError(f"--config: {config_path!r} has a lora_config but {reader.path} holds no LoRA adapters "
+                              "(a base checkpoint); remove lora_config to export it as it is")
+        apply_lora(model, lora)
     model.to_empty(device="cpu")
     model.init_weights(0)  # buffers the checkpoint does not hold (non-persistent) get their defined values
     load_module(model, reader)
+    if lora is not None:
+        from lit_moe.lora import merge_lora
+
+        merge_lora(model)   # the adapters folded into the weights: a plain Hugging Face checkpoint
     out = Path(output)
     save_pretrained(model, out, max_shard_size=max_shard_size,
                     dtype=getattr(torch, DTYPES[dtype]) if dtype else None)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from lit_moe.checkpoint.layout import CheckpointError
 from lit_moe.checkpoint.sharded import canonical, piece_of
+from lit_moe.lora import is_adapter_name
 
 
 def _listing(items: list[str], n: int = 6) -> str:
@@ -55,6 +56,8 @@ def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = No
     merged_cache: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name in sorted(sd):
+            if is_adapter_name(name):   # LoRA adapters are not in a base checkpoint: they keep their init
+                continue
             piece = piece_of(sd[name])
             shape = torch.Size(piece.global_shape)
             full = torch.empty(shape, dtype=piece.local.dtype)

@@ -397,9 +397,11 @@ def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool
     """Load the model tensors of ``reader`` into ``module`` (any layout; DTensors or plain tensors).
     Every tensor must be present with the same global shape, and the checkpoint (under the module's
     prefix) must hold nothing else."""
+    from lit_moe.lora import keep_initialised_adapters
+
     sd = get_model_state_dict(module)
     index = reader.index("model")
-    live = pieces_of(sd)  # canonical names
+    live = keep_initialised_adapters(pieces_of(sd), index.keys())  # canonical names
     mapping = _prefix_map(list(live), index.keys(), reader.path)
     prefix = _common_prefix(mapping)
     targets = {mapping[k]: p for k, p in live.items()}

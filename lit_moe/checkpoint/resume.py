@@ -145,7 +145,10 @@ def check_model_shapes(reader: IterationReader, model_config: Any) -> None:
             self.global_shape = shape
 
     targets = {mapping[k]: _Shape(s) for k, s in shapes.items()}
-    view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix)})
+    from lit_moe.lora import is_adapter_name
+
+    # a LoRA run's adapters are not in the plain model built here; load_module checks them
+    view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix) and not is_adapter_name(k)})
     check_shapes(view, targets, "the model weights", reader.path)
 
 

@@ -1,13 +1,16 @@
-"""``lit_moe preprocess``: text or JSON lines → a Megatron indexed dataset (``.bin`` + ``.idx``).
+"""``lit_moe preprocess``: text, JSON lines or Parquet → a Megatron indexed dataset (``.bin`` + ``.idx``).
 
     lit_moe preprocess --input corpus.jsonl --output-prefix data/my --tokenizer byte
     # writes data/my_text_document.bin/.idx; use data_path: ["1", "data/my_text_document"]
 
 Like Megatron's ``tools/preprocess_data.py``: one document per JSON line (the ``--json-key`` field),
 each tokenized and followed by the EOD token, written as one sequence; the output is named
-``PREFIX_<key>_document`` and loads in megatron-core unchanged. Plain-text inputs are one document per
-file, per line or per blank-line-separated paragraph (``--text-documents``). Inputs may be gzip, xz or
-bzip2 compressed. Work is spread over ``--workers`` processes; a progress bar shows the bytes read.
+``PREFIX_<key>_document`` and loads in megatron-core unchanged. A Parquet file gives one document per
+row of its ``--json-key`` column. Plain-text inputs are one document per file, per line or per
+blank-line-separated paragraph (``--text-documents``). Text and JSON lines may be gzip, xz or bzip2
+compressed. The tokenizer is the byte tokenizer, a ``tokenizer.json`` or a Hugging Face tokenizer
+directory. Work is spread over ``--workers`` processes; a progress bar shows the bytes read and the
+tokens per second.
 """
 
 from __future__ import annotations
@@ -42,24 +45,57 @@ def _open(path: str):
     return open(path, "rb")
 
 
-def _is_jsonl(path: str, fmt: str) -> bool:
+def input_format(path: str, fmt: str) -> str:
+    """``jsonl``, ``parquet`` or ``text``: ``fmt`` unless it is ``auto``, then from the file name."""
     if fmt != "auto":
-        return fmt == "jsonl"
+        return fmt
     base = path
     for ext in (".gz", ".xz", ".bz2"):
         if base.endswith(ext):
             base = base[: -len(ext)]
-    return base.endswith((".jsonl", ".json", ".ndjson"))
+    if base.endswith(".parquet"):
+        return "parquet"
+    return "jsonl" if base.endswith((".jsonl", ".json", ".ndjson")) else "text"
+
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def _parquet_chunks(path: str, json_key: str) -> Iterator[tuple]:
+    """(``"parquet"``, file, [(row number, text)], bytes) chunks of a Parquet file's ``json_key``
+    column; bytes are the file's size spread over its rows (what the progress bar counts)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"--input: {path} is Parquet; reading it needs pyarrow (pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow.ArrowInvalid and friends
+        raise ConfigError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+    names = pf.schema_arrow.names
+    if json_key not in names:
+        raise ConfigError(f"{path}: no column {json_key!r} (columns: {names}; choose the text column with --json-key)")
+    rows = max(pf.metadata.num_rows, 1)
+    size = os.path.getsize(path)
+    row = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[json_key]):
+        texts = batch.column(0).to_pylist()
+        docs = [(row + i + 1, t) for i, t in enumerate(texts)]
+        start, row = row, row + len(texts)
+        yield "parquet", path, docs, size * row // rows - size * start // rows
 
 
 # ----------------------------------------------------------------------------------------------
 # reading: chunks of raw documents, with where they came from (for error messages)
 # ----------------------------------------------------------------------------------------------
-def read_chunks(paths: list[str], fmt: str, text_documents: str) -> Iterator[tuple]:
-    """Yield (kind, file, [(line number, raw document)], bytes) chunks of about CHUNK_BYTES."""
+def read_chunks(paths: list[str], fmt: str, text_documents: str, json_key: str = "text") -> Iterator[tuple]:
+    """Yield (kind, file, [(line or row number, raw document)], bytes) chunks of about CHUNK_BYTES."""
     for path in paths:
-        jsonl = _is_jsonl(path, fmt)
-        kind = "jsonl" if jsonl else "text"
+        kind = input_format(path, fmt)
+        if kind == "parquet":
+            yield from _parquet_chunks(path, json_key)
+            continue
+        jsonl = kind == "jsonl"
         with _open(path) as f:
             if not jsonl and text_documents == "file":
                 data = f.read()
@@ -114,7 +150,11 @@ def _tokenize_chunk(chunk) -> tuple[np.ndarray, np.ndarray, int, int]:
     tok, key = _WORKER["tokenizer"], _WORKER["json_key"]
     texts = []
     for lineno, raw in docs:
-        if kind == "jsonl":
+        if kind == "parquet":
+            text = raw
+            if not isinstance(text, str):
+                raise ConfigError(f"{path}: row {lineno}: {key!r} is {type(text).__name__}, not a string")
+        elif kind == "jsonl":
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as err:
@@ -155,15 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lit_moe preprocess", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="text or JSON-lines files (.jsonl/.json/.ndjson are JSON lines; .gz/.xz/.bz2 ok)")
+                   help="text, JSON-lines (.jsonl/.json/.ndjson) or Parquet (.parquet) files; text and JSON "
+                        "lines may be .gz/.xz/.bz2 compressed")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX_<json-key>_document.bin/.idx")
     p.add_argument("--tokenizer", required=True, metavar="{byte|PATH}",
-                   help="'byte' (UTF-8 bytes, EOD 256), a tokenizers JSON file or a directory with "
-                        "tokenizer.json, or builtin:austen")
-    p.add_argument("--json-key", default="text", help="field holding the text of each JSON line (default: text)")
-    p.add_argument("--format", choices=["auto", "jsonl", "text"], default="auto",
-                   help="input format; auto: JSON lines for .jsonl/.json/.ndjson, else text")
+                   help="'byte' (UTF-8 bytes, EOD 256), a Hugging Face tokenizer directory (with "
+                        "tokenizer_config.json; EOD = its eos_token), a tokenizer.json file or a directory "
+                        "holding one, or builtin:austen")
+    p.add_argument("--json-key", default="text",
+                   help="field of each JSON line / column of a Parquet file holding the text (default: text)")
+    p.add_argument("--format", choices=["auto", "jsonl", "parquet", "text"], default="auto",
+                   help="input format; auto: JSON lines for .jsonl/.json/.ndjson, Parquet for .parquet, else text")
     p.add_argument("--text-documents", choices=["file", "line", "paragraph"], default="file",
                    help="plain text: one document per file (default), per non-empty line, or per "
                         "blank-line-separated paragraph")
@@ -196,7 +239,7 @@ def preprocess(args: argparse.Namespace) -> dict:
 
     init = (args.tokenizer, args.eod_token, args.add_special_tokens, args.json_key, args.append_eod,
             np.dtype(dtype).str)
-    chunks = read_chunks(list(args.input), args.format, args.text_documents)
+    chunks = read_chunks(list(args.input), args.format, args.text_documents, args.json_key)
     builder = IndexedDatasetBuilder(out_prefix, dtype)
     pool = None
     t0 = time.perf_counter()
@@ -218,6 +261,7 @@ def preprocess(args: argparse.Namespace) -> dict:
             n_docs += docs
             n_tokens += int(flat.size)
             n_bytes += size
+            bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tokens/s", refresh=False)
             bar.update(size)
         bar.close()
         builder.finalize()
@@ -231,11 +275,12 @@ def preprocess(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     stats = {"prefix": out_prefix, "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes,
              "seconds": seconds, "mb_per_s": n_bytes / 1e6 / max(seconds, 1e-9),
+             "tokens_per_s": n_tokens / max(seconds, 1e-9),
              "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "dtype": np.dtype(dtype).name}
     if not args.quiet:
         print(f"wrote {bin_path(out_prefix)} and {idx_path(out_prefix)}: {n_docs} documents, {n_tokens} "
               f"tokens ({stats['dtype']}), {n_bytes / 1e6:.1f} MB in {seconds:.1f} s "
-              f"({stats['mb_per_s']:.1f} MB/s); vocab_size {tokenizer.vocab_size}, eod {tokenizer.eod}\n"
+              f"({stats['mb_per_s']:.1f} MB/s, {stats['tokens_per_s']:,.0f} tokens/s); vocab_size {tokenizer.vocab_size}, eod {tokenizer.eod}\n"
               f"use: data_path: [\"1\", \"{out_prefix}\"]")
     return stats
 

@@ -84,11 +84,16 @@ class JsonTokenizer:
 
 
 def load_tokenizer(spec: str, eod_token: Optional[str] = None, add_special_tokens: bool = False):
-    """``"byte"``, ``"builtin:austen"`` or a path to a tokenizers JSON file / directory."""
+    """``"byte"``, ``"builtin:austen"``, a Hugging Face tokenizer directory (with
+    ``tokenizer_config.json``) or a path to a tokenizers JSON file / a directory holding one."""
     if spec == "byte":
         if eod_token is not None:
             raise ConfigError("--eod-token: the byte tokenizer's EOD is fixed (256)")
         return ByteTokenizer()
     if spec.startswith("builtin:"):
         spec = builtin_tokenizer_path(spec[len("builtin:"):])
+    from lit_moe.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+
+    if is_hf_tokenizer_dir(spec):
+        return HFTokenizer(spec, eod_token, add_special_tokens)
     return JsonTokenizer(spec, eod_token, add_special_tokens)

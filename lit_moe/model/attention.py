@@ -79,15 +79,20 @@ def document_ids(actual_seq_len: torch.Tensor, batch: int, seq: int) -> torch.Te
 
 def allowed_mask(batch: int, seq: int, device: torch.device, attention_mask: Optional[torch.Tensor] = None,
                  actual_seq_len: Optional[torch.Tensor] = None, window_left: int = -1,
-                 force: bool = False) -> Optional[torch.Tensor]:
+                 force: bool = False, rows: Optional[tuple[int, int]] = None,
+                 keys: Optional[int] = None) -> Optional[torch.Tensor]:
     """SDPA-style allowed mask ``[B or 1, 1, S, S]`` = causal ∧ ¬blocked ∧ same-document ∧ window;
-    None when that is plain causal (and ``force`` is False)."""
+    None when that is plain causal (and ``force`` is False). ``rows=(lo, hi)`` and ``keys=K`` give
+    only query rows ``[lo, hi)`` against keys ``[0, K)`` of the sequence (context parallel)."""
     if attention_mask is None and actual_seq_len is None and window_left < 0 and not force:
         return None
-    q = torch.arange(seq, device=device)
-    allowed = (q[:, None] >= q[None, :])[None, None]               # [1, 1, S, S]
+    lo, hi = rows if rows is not None else (0, seq)
+    K = seq if keys is None else keys
+    q = torch.arange(lo, hi, device=device)[:, None]
+    k = torch.arange(K, device=device)[None, :]
+    allowed = (q >= k)[None, None]                                  # [1, 1, hi-lo, K]
     if window_left >= 0:
-        allowed = allowed & (q[:, None] - q[None, :] <= window_left)[None, None]
+        allowed = allowed & (q - k <= window_left)[None, None]
     if attention_mask is not None:
         blocked = attention_mask.to(device)
         if blocked.dtype != torch.bool:
@@ -99,10 +104,10 @@ def allowed_mask(batch: int, seq: int, device: torch.device, attention_mask: Opt
         if blocked.dim() != 4 or blocked.shape[-2:] != (seq, seq) or blocked.shape[1] != 1:
             raise ValueError(f"attention_mask: expected [B, 1, S, S], [B, S, S] or [S, S] with S={seq}, "
                              f"got {tuple(attention_mask.shape)}")
-        allowed = allowed & ~blocked
+        allowed = allowed & ~blocked[:, :, lo:hi, :K]
     if actual_seq_len is not None:
         doc = document_ids(actual_seq_len.to(device), batch, seq)
-        allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
+        allowed = allowed & (doc[:, lo:hi, None] == doc[:, None, :K])[:, None]
     return allowed
 
 

@@ -11,7 +11,7 @@ the experts as grouped GEMMs, and un-permuted with index_copy (no atomics, deter
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,13 +107,15 @@ class Router(nn.Module):
 
 
 def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_func: str,
-                        kind: str, coeff: float) -> torch.Tensor:
+                        kind: str, coeff: float, reduce_stats: Optional[Callable] = None) -> torch.Tensor:
     """Switch-style balancing loss alpha * sum_e f_e P_e (Megatron's definition).
 
     p = scores normalised over all experts (sigmoid) or the softmax itself; the indicator is a plain
     top-K of p (no bias, no group limit). ``aux_loss``: one reduction over the micro-batch's T tokens;
     ``seq_aux_loss``: per sequence (T = S), averaged over the B sequences. f_e = E/(K T) * count_e,
-    P_e = mean_t p_te, so a perfectly uniform router gives alpha.
+    P_e = mean_t p_te, so a perfectly uniform router gives alpha. ``reduce_stats(counts, prob_sums,
+    tokens)`` sums the statistics over the ranks holding other shards of the same sequences
+    (context parallel) before the formula.
     """
     T, E = scores.shape
     p = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if scoring_func == "sigmoid" else scores
@@ -123,8 +125,11 @@ def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_fu
     p = p.view(groups, T // groups, E)
     chosen = chosen.view(groups, T // groups, E)
     n = T // groups
-    f = chosen.sum(dim=1) * (E / (top_k * n))
-    P = p.sum(dim=1) / n
+    counts, prob_sums = chosen.sum(dim=1), p.sum(dim=1)
+    if reduce_stats is not None:
+        counts, prob_sums, n = reduce_stats(counts, prob_sums, n)
+    f = counts * (E / (top_k * n))
+    P = prob_sums / n
     return coeff * (f * P).sum(dim=-1).mean()
 
 
@@ -358,6 +363,8 @@ class MoE(nn.Module):
         self.register_buffer("total_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: dict[str, torch.Tensor] = {}
+        # context parallel sets it: the balancing statistics of a sequence span its shards' ranks
+        self.aux_stats_reduce: Optional[Callable] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity C = ceil(T*K/E * capacity_factor), or None when dropless."""
@@ -377,7 +384,8 @@ class MoE(nn.Module):
 
         self.aux_loss = None
         if self.training and self.aux_coeff > 0 and self.aux_type != "none":
-            self.aux_loss = load_balancing_loss(scores, K, B, self.scoring_func, self.aux_type, self.aux_coeff)
+            self.aux_loss = load_balancing_loss(scores, K, B, self.scoring_func, self.aux_type, self.aux_coeff,
+                                                self.aux_stats_reduce)
             if self._recording():
                 self.last_stats["aux_loss"] = self.aux_loss.detach()
         return out

@@ -70,6 +70,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         # The loss over (logits, labels, mask); tensor parallel swaps in a vocabulary-parallel one.
         self.loss_function = masked_cross_entropy
+        # The MTP input shift; context parallel swaps in one that exchanges chunk-boundary tokens.
+        self.shift_left = _shift_left
         c = config
         dtype = c.torch_dtype("params_dtype")
         self.compute_dtype = c.torch_dtype("compute_dtype")
@@ -192,7 +194,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         total = hidden.new_zeros((), dtype=torch.float32)
         ids, lab, msk, pos = input_ids, labels, mask, position_ids
         for layer in self.mtp:
-            ids, lab, msk, pos = _shift_left(ids), _shift_left(lab), _shift_left(msk), _shift_left(pos)
+            ids, lab, msk, pos = (self.shift_left(t) for t in (ids, lab, msk, pos))
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
                 total = total + self.lm_head(hidden, lab, msk)
@@ -214,7 +216,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _fused_loss(self) -> bool:
         # Only for gradients (it computes them in forward) and the plain loss: tensor parallel swaps
         # in a vocabulary-parallel one over sharded logits.
-        return torch.is_grad_enabled() and self.loss_function is masked_cross_entropy
+        # (context parallel wraps the loss but keeps the plain masked mean per shard: ``shard_loss_of``)
+        loss = getattr(self.loss_function, "shard_loss_of", self.loss_function)
+        return torch.is_grad_enabled() and loss is masked_cross_entropy
 
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a

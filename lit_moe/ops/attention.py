@@ -41,51 +41,54 @@ class _BlockCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, score_dtype: torch.dtype, block: int):
         B, H, S, D = q.shape
-        Dv = v.shape[-1]
+        Dv, Sk = v.shape[-1], k.shape[-2]
+        o = Sk - S          # the queries are the last S rows of an Sk-long causal sequence
         q = q.reshape(B * H, S, D)
-        k = k.reshape(B * H, S, D)
-        v = v.reshape(B * H, S, Dv)
+        k = k.reshape(B * H, Sk, D)
+        v = v.reshape(B * H, Sk, Dv)
         qs, ks = (q, k) if score_dtype == q.dtype else (q.to(score_dtype), k.to(score_dtype))
         bounds = _bounds(S, block)
         outs, probs = [], []
         for s0, s1 in zip(bounds[:-1], bounds[1:]):
-            scores = torch.baddbmm(qs.new_empty(()).expand(B * H, s1 - s0, s1), qs[:, s0:s1],
-                                   ks[:, :s1].transpose(1, 2), beta=0.0, alpha=scale)
+            scores = torch.baddbmm(qs.new_empty(()).expand(B * H, s1 - s0, o + s1), qs[:, s0:s1],
+                                   ks[:, :o + s1].transpose(1, 2), beta=0.0, alpha=scale)
             above = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=q.device).triu_(1)
-            scores[:, :, s0:s1].masked_fill_(above, float("-inf"))
+            scores[:, :, o + s0:o + s1].masked_fill_(above, float("-inf"))
             p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.bmm(p, v[:, :s1]))
+            outs.append(torch.bmm(p, v[:, :o + s1]))
             probs.append(p)
         out = torch.cat(outs, dim=1)
         ctx.save_for_backward(q, k, v, *probs)
-        ctx.bounds, ctx.scale, ctx.shape = bounds, scale, (B, H, S, D, Dv)
+        ctx.bounds, ctx.scale, ctx.shape = bounds, scale, (B, H, S, Sk, D, Dv)
         return out.view(B, H, S, Dv)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, *probs = ctx.saved_tensors
-        B, H, S, D, Dv = ctx.shape
-        bounds, scale = ctx.bounds, ctx.scale
+        B, H, S, Sk, D, Dv = ctx.shape
+        bounds, scale, o = ctx.bounds, ctx.scale, Sk - S
         do = grad_out.reshape(B * H, S, Dv).to(q.dtype)
         dqs = []
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for (s0, s1), p in zip(zip(bounds[:-1], bounds[1:]), probs):
             do_i = do[:, s0:s1]
-            dv[:, :s1] += torch.bmm(p.transpose(1, 2), do_i)
-            dp = torch.bmm(do_i, v[:, :s1].transpose(1, 2))
+            dv[:, :o + s1] += torch.bmm(p.transpose(1, 2), do_i)
+            dp = torch.bmm(do_i, v[:, :o + s1].transpose(1, 2))
             # p (dp - rowsum(p dp)) in one fused pass (fp32 accumulation); rowsum(p dp) = do_i . o_i
             ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(scale)
-            dqs.append(torch.bmm(ds, k[:, :s1]))
-            dk[:, :s1] += torch.bmm(ds.transpose(1, 2), q[:, s0:s1])
+            dqs.append(torch.bmm(ds, k[:, :o + s1]))
+            dk[:, :o + s1] += torch.bmm(ds.transpose(1, 2), q[:, s0:s1])
         dq = torch.cat(dqs, dim=1)
-        return (dq.view(B, H, S, D), dk.to(k.dtype).view(B, H, S, D), dv.to(v.dtype).view(B, H, S, Dv),
+        return (dq.view(B, H, S, D), dk.to(k.dtype).view(B, H, Sk, D), dv.to(v.dtype).view(B, H, Sk, Dv),
                 None, None, None)
 
 
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                            score_dtype: torch.dtype = torch.float32, block: int = QUERY_BLOCK) -> torch.Tensor:
     """``softmax(scale * q k^T + causal) v`` for ``q, k [B, h, S, d]``, ``v [B, h, S, d_v]`` -> ``[B, h, S, d_v]``.
+    Keys may be longer (``k, v [B, h, S_k, .]``, S_k > S): the queries are then the last S positions of
+    an S_k-long causal sequence (a context-parallel chunk against the keys up to its end).
 
     ``score_dtype``: dtype of the score GEMM and its softmax input (the model's ``softmax_compute_dtype``);
     the softmax itself always accumulates in fp32."""

@@ -10,7 +10,7 @@ accelerator when ``torch_npu`` is importable.
 import importlib
 from typing import Any
 
-from lit_moe.strategies.clip import clip_grad_norm_, global_grad_norm
+from lit_moe.strategies.clip import clip_grads_with_norm_, global_grad_norm
 from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
 
 _LAZY = {
@@ -35,7 +35,7 @@ __all__ = [
     "ParallelDims",
     "ParallelismError",
     "check_parallelism_section",
-    "clip_grad_norm_",
+    "clip_grads_with_norm_",
     "global_grad_norm",
     "parallelize",
 ]

@@ -81,12 +81,3 @@ def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, t
         by_device.setdefault((g.device, g.dtype), []).append(g)
     for (dev, dtype), tensors in by_device.items():
         torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """:func:`global_grad_norm`, then :func:`clip_grads_with_norm_`; returns the pre-clip norm."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, group)
-    clip_grads_with_norm_(params, max_norm, norm)
-    return norm

@@ -152,6 +152,84 @@ def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum over the group; every rank's result feeds that rank's loss, so the gradient of each
+    input is the sum of all ranks' gradients (backward all-reduces too)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of the ranks' ``x`` on every rank; backward sums the ranks' gradients."""
+    return _AllReduce.apply(x, group) if _size(group) > 1 else x
+
+
+def _to_blocks(x: torch.Tensor, n: int, scatter_dim: int) -> torch.Tensor:
+    """``[..., S, ...]`` → ``[n, ..., S/n, ...]``: block j of ``scatter_dim`` leads (goes to rank j)."""
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all-to-all: size {x.shape[scatter_dim]} of dim {scatter_dim} is not divisible by "
+                         f"the group size {n}")
+    return x.unflatten(scatter_dim, (n, x.shape[scatter_dim] // n)).movedim(scatter_dim, 0).contiguous()
+
+
+def _from_blocks(x: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """``[n, ...]`` (block j from rank j) → concatenated along ``gather_dim`` in rank order."""
+    return x.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _BlockAllToAll(torch.autograd.Function):
+    """Equal-split all-to-all of ``[n, ...]`` blocks (block j to rank j). It is its own adjoint.
+    With ``pending`` (a list) the forward only starts the exchange and appends its work handle:
+    the caller waits on it before reading the output (communication overlapped with compute)."""
+
+    @staticmethod
+    def forward(ctx, x, group, pending):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        work = dist.all_to_all_single(out, x, group=group, async_op=pending is not None)
+        if pending is not None:
+            pending.append(work)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)    # (of a permuted grad, empty_like would copy its strides)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None, None
+
+
+def all_to_all_dims(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``scatter_dim`` over the ranks and concatenate ``gather_dim`` from them (Ulysses: sequence
+    shards ↔ head shards). Backward is the reverse exchange."""
+    n = _size(group)
+    if n == 1:
+        return x
+    return _from_blocks(_BlockAllToAll.apply(_to_blocks(x, n, scatter_dim), group, None), gather_dim)
+
+
+def start_all_to_all_dims(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, pending: list):
+    """Asynchronous :func:`all_to_all_dims`: returns the raw blocks; call ``finish_all_to_all_dims``
+    after waiting on the handle appended to ``pending``."""
+    return _BlockAllToAll.apply(_to_blocks(x, _size(group), scatter_dim), group, pending)
+
+
+def finish_all_to_all_dims(blocks: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    return _from_blocks(blocks, gather_dim)
+
+
 # ----------------------------------------------------------------------------------------------
 # vocabulary-parallel cross entropy
 # ----------------------------------------------------------------------------------------------

@@ -1,21 +1,43 @@
-"""Context parallelism: each of the ``cp`` ranks of a sample runs the model on one contiguous chunk
-of the sequence (MindFormers' layout: chunk ``c`` holds positions ``[c·S/cp, (c+1)·S/cp)``, no
-zig-zag load balancing).
+"""Context parallelism: the ``cp`` ranks of a sample each hold ``S/cp`` of its tokens through the whole
+model, and only attention sees the other ranks' tokens.
 
-* **Inputs.** A forward pre-hook on the model slices ``input_ids``, ``labels``, ``loss_mask`` and
-  ``position_ids`` (``arange(S)`` when absent, so rotary angles stay the global positions) and takes
-  ``attention_mask`` / ``actual_seq_len`` out of the call: they describe the whole sequence and are
-  turned into this chunk's attention mask here.
-* **Attention.** Each MLA's ``core_attention`` gets the keys and values of all chunks up to its own
-  (all-gather over cp, ``self_attention.core_attention.all_gather``; its backward reduce-scatters
-  the partial gradients) and the exact mask rows of its queries: causal in global positions, plus
-  sliding window, blocked pairs and document boundaries when the batch has them. Later chunks are
-  never attended (causal), so they are not used.
-* **Loss.** The model's loss on a chunk is a masked mean over the chunk; the run's loss is the
-  masked mean over the sequence. Rank ``c`` therefore reports ``cp · sum_c / count_total``: the mean
-  over the cp ranks (what data-parallel gradient averaging and loss logging compute) is then exactly
-  the sequence's masked mean, and every gradient is the single-process one.
-* MoE layers see the whole sequence (``expert_parallel.apply_moe_sequence_split``).
+* **Zig-zag shards.** The sequence is cut into ``2·cp`` chunks of ``c = S/(2·cp)`` tokens; rank ``r``
+  holds chunks ``r`` and ``2·cp-1-r`` (a head and a tail chunk). Causal attention work grows with
+  the position, so every rank gets the same amount (:func:`attention_work`). (MindFormers slices
+  contiguous chunks; the layout is internal, results are the same.) A forward pre-hook on the model
+  takes those positions of ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``
+  (``arange(S)`` when absent, so rotary angles are the global positions) and keeps
+  ``attention_mask`` / ``actual_seq_len``, which describe the whole sequence, to build each
+  attention call's exact mask rows (causal in global positions, plus sliding window, blocked pairs
+  and document boundaries).
+* **Attention** (``parallelism.context_parallel_method``; each MLA's ``core_attention`` becomes a
+  :class:`ContextParallelAttention` around the original):
+
+  - ``colossal``: keys and values are all-gathered over cp (``core_attention.all_gather``; backward
+    reduce-scatters). Each of the rank's two query chunks meets only the keys up to its own end.
+  - ``ulysses``: an all-to-all turns the sequence shards of q, k, v into head shards (every rank:
+    all S positions, ``heads/cp`` heads), plain attention runs, and the reverse all-to-all brings
+    the output back to sequence shards (``core_attention.all_to_all``).
+  - ``hybrid``: ulysses inside groups of ``u = ulysses_degree_in_cp`` consecutive cp ranks, then
+    keys and values all-gathered across the ``cp/u`` groups; each group's ``2u`` query chunks meet
+    the keys up to their ends.
+  - ``context_parallel_async`` (ulysses, hybrid): the heads are cut in two groups whose all-to-alls
+    are started asynchronously, so one group's exchange runs while the other's attention computes,
+    and the output all-to-all of the first group overlaps the second group's attention.
+* **Everything else is local.** Norms, the dense MLP and the MoE layers (routing, dispatch, routed
+  and shared experts) run on the rank's ``S/cp`` tokens. The balancing loss needs statistics of
+  whole sequences: its per-sequence expert counts and probability sums are summed over cp
+  (:func:`comm.all_reduce`, whose backward sums every rank's gradient, since every rank's loss uses
+  the total). The expert-bias token counts are summed over dp × cp by the training step
+  (``strategy.expert_count_group``).
+* **Loss.** A loss on a shard is the shard's masked mean; the run's loss is the masked mean over
+  the sequence. The model's ``loss_function`` is wrapped so that rank ``c`` reports
+  ``cp · sum_c / count_total`` (the count summed over cp): the mean over the cp ranks (what
+  data-parallel gradient averaging and loss logging compute) is then exactly the sequence's mean,
+  and every gradient is the single-process one. This holds for every MTP depth too.
+* **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
+  first token of the next chunk, which another rank holds. The model's ``shift_left`` is replaced by
+  :func:`boundary_shift`, which exchanges those boundary tokens.
 """
 
 from __future__ import annotations
@@ -25,15 +47,64 @@ import inspect
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lit_moe.ops.attention import block_causal_attention, use_block_causal
 from lit_moe.strategies import comm
 from lit_moe.strategies.hooks import around_forward
+from lit_moe.strategies.parallel_dims import check_parallel_layout, cp_ulysses_degree
 
-_FORWARD_ARGS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
+# ----------------------------------------------------------------------------------------------
+# configuration (MindFormers' rules and messages)
+# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
+# the zig-zag layout
+# ----------------------------------------------------------------------------------------------
+def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """Global chunk ids (of ``2·cp``) held by cp rank ``rank``: a head and a tail chunk."""
+    return rank, 2 * cp - 1 - rank
 
 
-class _ChunkState:
+def shard_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions ``[S/cp]`` of rank ``rank``'s tokens, in their local order."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in rank_chunks(cp, rank)])
+
+
+def _chunks_of(ranks) -> list[int]:
+    return [j for r, cp in ranks for j in rank_chunks(cp, r)]
+
+
+def _reorder(x: torch.Tensor, order: list[int], target: list[int], dim: int = 2) -> torch.Tensor:
+    """``x`` holds chunks ``order`` along ``dim`` (equal sizes); return chunks ``target`` (slices + cat:
+    the backward is deterministic, no scatter-add)."""
+    if order == target:
+        return x
+    pieces = dict(zip(order, x.chunk(len(order), dim=dim)))
+    return torch.cat([pieces[j] for j in target], dim=dim)
+
+
+def attention_work(seq: int, cp: int, u: int = 1) -> list[dict[str, int]]:
+    """Per cp rank and per head it attends for: ``pairs`` (query/key pairs causal attention may
+    use, the work a causal kernel does) and ``scores`` (score entries the calls compute). Ulysses
+    ranks (``u == cp``) attend all S positions for ``heads/cp`` heads; the others attend the query
+    chunks of their ulysses group (their own two when ``u == 1``) for ``heads/u`` heads."""
+    c = seq // (2 * cp)
+    out = []
+    for rank in range(cp):
+        group = rank // u
+        chunks = _chunks_of((r, cp) for r in range(group * u, (group + 1) * u))
+        if u == cp:
+            pairs, scores = seq * (seq + 1) // 2, seq * seq
+        else:
+            pairs = sum(c * j * c + c * (c + 1) // 2 for j in chunks)
+            scores = sum(c * (j + 1) * c for j in chunks)
+        out.append({"pairs": pairs, "scores": scores})
+    return out
+
+
+class _Shard:
     """Per-forward facts every layer's context-parallel attention needs."""
 
     def __init__(self, rank: int, size: int):
@@ -42,105 +113,264 @@ class _ChunkState:
         self.device: Optional[torch.device] = None
         self.attention_mask: Optional[torch.Tensor] = None
         self.actual_seq_len: Optional[torch.Tensor] = None
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple, Optional[torch.Tensor]] = {}
+        # counted per attention call (tests compare ranks): causal pairs and computed score entries
+        self.work = {"pairs": 0, "scores": 0}
+        self.in_flight_max = 0     # async: exchanges still running while attention computed
 
     @property
     def chunk(self) -> int:
-        return self.seq // self.size
-
-    @property
-    def keys(self) -> int:
-        """Keys a causal chunk can see: every position up to the end of its own chunk."""
-        return (self.rank + 1) * self.chunk
+        return self.seq // (2 * self.size)
 
     def reset(self, batch: int, seq: int, device, attention_mask, actual_seq_len) -> None:
         self.batch, self.seq, self.device = batch, seq, device
         self.attention_mask, self.actual_seq_len = attention_mask, actual_seq_len
         self._masks = {}
 
-    def mask(self, window_left: int = -1) -> torch.Tensor:
-        """Allowed mask ``[B or 1, 1, chunk, keys]`` of this rank's queries against keys ``[0, keys)``."""
-        if window_left not in self._masks:
-            lo, hi = self.rank * self.chunk, (self.rank + 1) * self.chunk
-            if self.attention_mask is None and self.actual_seq_len is None:
-                q = torch.arange(lo, hi, device=self.device)[:, None]
-                k = torch.arange(self.keys, device=self.device)[None, :]
-                allowed = k <= q
-                if window_left >= 0:
-                    allowed = allowed & (q - k <= window_left)
-                allowed = allowed[None, None]
-            else:
-                from lit_moe.model.attention import allowed_mask
+    def plain(self, window_left: int) -> bool:
+        """Plain causal attention: no blocked pairs, documents or window."""
+        return self.attention_mask is None and self.actual_seq_len is None and window_left < 0
 
-                full = allowed_mask(self.batch, self.seq, self.device, attention_mask=self.attention_mask,
-                                    actual_seq_len=self.actual_seq_len, window_left=window_left, force=True)
-                allowed = full[:, :, lo:hi, : self.keys]
-            self._masks[window_left] = allowed
-        return self._masks[window_left]
+    def mask(self, lo: int, hi: int, keys: int, window_left: int) -> Optional[torch.Tensor]:
+        """Allowed mask ``[B or 1, 1, hi-lo, keys]`` of queries ``[lo, hi)`` against keys ``[0, keys)``;
+        None for a whole plain-causal sequence (the fused causal kernels)."""
+        key = (lo, hi, keys, window_left)
+        if key not in self._masks:
+            from lit_moe.model.attention import allowed_mask
+
+            whole = lo == 0 and hi == keys == self.seq
+            self._masks[key] = None if self.plain(window_left) and whole else allowed_mask(
+                self.batch, self.seq, self.device, attention_mask=self.attention_mask,
+                actual_seq_len=self.actual_seq_len, window_left=window_left, force=True,
+                rows=(lo, hi), keys=keys)
+        return self._masks[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------
+class ContextParallelAttention(nn.Module):
+    """The original core attention (``inner``) on q, k, v of this rank's tokens ``[B, heads, S/cp, d]``,
+    attending over the whole sequence (see the module docstring for the methods)."""
+
+    def __init__(self, inner: nn.Module, shard: _Shard, cp_rank: int, cp: int, u: int,
+                 ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
+                 window_left: int, asynchronous: bool):
+        super().__init__()
+        self.inner = inner
+        self.shard = shard
+        self.u, self.groups = u, cp // u
+        self.window_left = window_left
+        self.asynchronous = asynchronous and u > 1
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+        # named for recompute_comm (e.g. 'self_attention.core_attention.all_gather')
+        if self.groups > 1:
+            self.all_gather = functools.partial(comm.all_gather, group=ring_group, dim=2)
+        if u > 1:
+            self.all_to_all = functools.partial(comm.all_to_all_dims, group=ulysses_group)
+        first = (cp_rank // u) * u
+        # chunk ids along the sequence dim: of the queries after the all-to-all, of the gathered keys
+        self.query_chunks = _chunks_of((r, cp) for r in range(first, first + u))
+        self.key_chunks = _chunks_of((r, cp) for r in range(cp)) if self.groups > 1 else self.query_chunks
+        self.sorted_keys = sorted(self.key_chunks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # ``allowed`` is the model's mask of the local tokens only: the exact rows are built here
+        if self.asynchronous:
+            return self._forward_async(q, k, v)
+        if self.u > 1:
+            q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
+        out = self._attend(q, k, v)
+        if self.u > 1:
+            out = self.all_to_all(out, scatter_dim=2, gather_dim=1)
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks."""
+        if self.groups > 1:
+            k, v = self.all_gather(k), self.all_gather(v)
+        k = _reorder(k, self.key_chunks, self.sorted_keys)
+        v = _reorder(v, self.key_chunks, self.sorted_keys)
+        shard, heads = self.shard, q.shape[1]
+        S, c = shard.seq, shard.chunk
+        if self.groups == 1:   # every position is here: one call over the whole sequence
+            q = _reorder(q, self.query_chunks, self.sorted_keys)
+            out = self.inner(q, k, v, shard.mask(0, S, S, self.window_left))
+            self._count(heads, S * (S + 1) // 2, S * S)
+            return _reorder(out, self.sorted_keys, self.query_chunks)
+        outs = []
+        for i, j in enumerate(self.query_chunks):
+            lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
+            q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
+            if shard.plain(self.window_left) and self._block_causal(q_j):
+                # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
+                outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
+            else:
+                outs.append(self.inner(q_j, k_j, v_j, shard.mask(lo, hi, hi, self.window_left)))
+            self._count(heads, c * lo + c * (c + 1) // 2, c * hi)
+        return torch.cat(outs, dim=2)
+
+    def _block_causal(self, q: torch.Tensor) -> bool:
+        # where CoreAttention itself would take the CPU causal kernel for a plain causal call
+        inner = self.inner
+        dropout = inner.attention_dropout if self.training else 0.0
+        return inner.use_flash_attention and dropout == 0.0 and use_block_causal(q)
+
+    def _count(self, heads: int, pairs: int, scores: int) -> None:
+        self.shard.work["pairs"] += heads * pairs
+        self.shard.work["scores"] += heads * scores
+
+    def _forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Two head groups: group g+1's all-to-alls run while group g's attention computes."""
+        group = self.ulysses_group
+        parts = 2 if q.shape[1] % (2 * self.u) == 0 else 1
+        width = q.shape[1] // parts
+
+        def start(p: int):
+            handles: list = []
+            blocks = [comm.start_all_to_all_dims(t[:, p * width:(p + 1) * width], group, 1, handles)
+                      for t in (q, k, v)]
+            return blocks, handles
+
+        outs, out_handles = [], []
+        upcoming = start(0)
+        for p in range(parts):
+            blocks, handles = upcoming
+            if p + 1 < parts:
+                upcoming = start(p + 1)
+            for h in handles:
+                h.wait()
+            in_flight = (len(upcoming[1]) if p + 1 < parts else 0) + len(out_handles)
+            self.shard.in_flight_max = max(self.shard.in_flight_max, in_flight)
+            qp, kp, vp = (comm.finish_all_to_all_dims(b, 2) for b in blocks)
+            outs.append(comm.start_all_to_all_dims(self._attend(qp, kp, vp), group, 2, out_handles))
+        for h in out_handles:
+            h.wait()
+        return torch.cat([comm.finish_all_to_all_dims(b, 1) for b in outs], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"ulysses={self.u}, all_gather_groups={self.groups}, async={self.asynchronous}"
+
+
+# ----------------------------------------------------------------------------------------------
+# MTP boundary tokens, loss share, MoE statistics
+# ----------------------------------------------------------------------------------------------
+def boundary_shift(x: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> torch.Tensor:
+    """The model's ``shift_left`` (``x[:, i] ← x[:, i+1]``, zero at the sequence end) on a zig-zag
+    shard ``[B, S/cp]``: each chunk's last slot takes the first token of the next global chunk,
+    exchanged between the ranks (one all-gather of 2·B values)."""
+    c = x.shape[1] // 2
+    firsts = torch.stack([x[:, 0], x[:, c]]).to(torch.int64)                 # [2, B]
+    gathered = torch.empty((cp * 2, firsts.shape[1]), dtype=firsts.dtype, device=x.device)
+    comm._all_gather_single(gathered, firsts.contiguous(), group)
+    gathered = gathered.view(cp, 2, -1)                                      # [cp, 2, B]
+
+    def first_of(j: int) -> torch.Tensor:
+        if j >= 2 * cp:
+            return torch.zeros_like(firsts[0])
+        return gathered[j, 0] if j < cp else gathered[2 * cp - 1 - j, 1]
+
+    head, tail = rank_chunks(cp, rank)
+    fills = [first_of(head + 1).to(x.dtype)[:, None], first_of(tail + 1).to(x.dtype)[:, None]]
+    return torch.cat([x[:, 1:c], fills[0], x[:, c + 1:], fills[1]], dim=1)
 
 
 def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     sig = inspect.signature(model.forward)
-    bound = sig.bind_partial(*args, **kwargs)
-    return dict(bound.arguments)
+    return dict(sig.bind_partial(*args, **kwargs).arguments)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
+def _subgroups(dims, u: int):
+    """(ulysses group of ``u`` consecutive cp ranks, all-gather group across the ``cp/u`` groups)."""
+    cp_mesh = dims.mesh("cp")
+    if u == 1:
+        return None, cp_mesh.get_group()
+    if u == dims.cp:
+        return cp_mesh.get_group(), None
+    split = cp_mesh._unflatten(0, (dims.cp // u, u), ("cp_ring", "cp_ulysses"))
+    return split["cp_ulysses"].get_group(), split["cp_ring"].get_group()
+
+
+def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
+    config = model.config
+    check_parallel_layout(parallelism, dims, config)     # the method keys and the heads per ulysses rank
+    u = cp_ulysses_degree(parallelism)
+    cp_mesh = dims.mesh("cp")
     group = cp_mesh.get_group()
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-    state = _ChunkState(rank, size)
-    config = model.config
-    window_left = int(config.window_size[0]) if getattr(config, "window_size", None) else -1
+    shard = _Shard(rank, size)
+    model.context_parallel_shard = shard          # read by tests and benchmarks (attention work)
+    ulysses_group, ring_group = _subgroups(dims, u)
+    window = int(config.window_size[0]) if getattr(config, "window_size", None) else -1
 
-    # ---- attention: keys/values of all chunks up to this one, exact mask rows ----------------
     for block in model.blocks():
         attn = block.self_attention
-        core = attn.core_attention
-        core.all_gather = functools.partial(comm.all_gather, group=group, dim=2)
-        left = window_left if getattr(attn, "use_window", False) else -1
+        attn.core_attention = ContextParallelAttention(
+            attn.core_attention, shard, rank, size, u, ulysses_group, ring_group,
+            window if getattr(attn, "use_window", False) else -1, parallelism.context_parallel_async)
 
-        def before(mod, args, kwargs, left=left):
-            q, k, v = args[0], args[1], args[2]
-            keys = state.keys
-            k = mod.all_gather(k)[:, :, :keys]
-            v = mod.all_gather(v)[:, :, :keys]
-            return (q, k, v, state.mask(left)), {}, None
+    def reduce_stats(counts, prob_sums, tokens):
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+        return counts, comm.all_reduce(prob_sums, group), tokens * size
 
-        around_forward(core, before)
+    for moe in model.moe_layers():
+        moe.aux_stats_reduce = reduce_stats
 
-    # ---- inputs: this rank's chunk; loss: the chunk's share of the sequence mean -------------
-    def slice_inputs(mod, args, kwargs):
+    def share(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A shard's masked mean → its share of the sequence's mean, times cp (module docstring)."""
+        local = mask.sum().to(torch.float32)
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)
+        return loss * (local / total.clamp_min(1.0) * size).to(loss.dtype)
+
+    original_loss = model.loss_function
+
+    def sequence_share_loss(logits, labels, mask):
+        return share(original_loss(logits, labels, mask), mask)
+
+    # still the plain masked mean per shard: the model keeps its fused head for it
+    sequence_share_loss.shard_loss_of = original_loss  # type: ignore[attr-defined]
+    model.loss_function = sequence_share_loss
+
+    def head_before(mod, args, kwargs):
+        labels = args[1] if len(args) > 1 else kwargs.get("labels")
+        if labels is None:
+            return args, kwargs, None
+        mask = args[2] if len(args) > 2 else kwargs.get("mask")
+        return args, kwargs, (labels != -100) if mask is None else mask
+
+    def head_after(mod, out, mask):
+        return out if mask is None else share(out, mask)
+
+    around_forward(model.lm_head, head_before, head_after)   # the fused head's loss (labels given)
+    model.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
+
+    def shard_inputs(mod, args, kwargs):
         call = _bind(mod, args, kwargs)
         ids = call["input_ids"]
         B, S = ids.shape
-        if S % size:
-            raise ValueError(f"context parallel: sequence length {S} is not divisible by context_parallel {size}")
-        lo, hi = rank * (S // size), (rank + 1) * (S // size)
+        if S % (2 * size):
+            raise ValueError(f"context parallel: sequence length {S} is not divisible by 2 * context_parallel "
+                             f"{size} (two zig-zag chunks per rank)")
+        index = shard_positions(S, size, rank, ids.device)
         positions = call.get("position_ids")
         if positions is None:
             positions = torch.arange(S, device=ids.device)
         positions = positions.to(device=ids.device, dtype=torch.long).expand(B, S)
-        state.reset(B, S, ids.device, call.pop("attention_mask", None), call.pop("actual_seq_len", None))
-        labels = call.get("labels")
-        counts = None
-        if labels is not None:
-            # the loss tokens exactly as DeepseekV3ForCausalLM.forward selects them
-            mask = labels != -100
-            if call.get("loss_mask") is not None:
-                mask = mask & (call["loss_mask"] != 0)
-            counts = (mask[:, lo:hi].sum().float(), mask.sum().float())
+        shard.reset(B, S, ids.device, call.pop("attention_mask", None), call.pop("actual_seq_len", None))
         for name in ("input_ids", "labels", "loss_mask"):
             if call.get(name) is not None:
-                call[name] = call[name][:, lo:hi]
-        call["position_ids"] = positions[:, lo:hi]
-        return (), call, counts
+                call[name] = call[name].index_select(1, index.to(call[name].device))
+        call["position_ids"] = positions.index_select(1, index)
+        return call
 
-    def rescale_loss(mod, out, counts):
-        if counts is not None and getattr(out, "loss", None) is not None:
-            local, total = counts
-            # chunk mean × its share of the sequence's loss tokens × cp (see the module docstring)
-            out.loss = out.loss * (local / total.clamp_min(1.0) * size).to(out.loss.dtype)
-        return out
+    def pre(mod, args, kwargs):
+        return (), shard_inputs(mod, args, kwargs)
 
-    around_forward(model, slice_inputs, rescale_loss)
+    model.register_forward_pre_hook(pre, with_kwargs=True)
 
+
+__all__ = ["ContextParallelAttention", "apply_context_parallel", "attention_work", "boundary_shift",
+           "rank_chunks", "shard_positions"]

@@ -1,15 +1,18 @@
 """MoE layers under tensor, context and expert parallelism.
 
-**Whole sequence in the router.** Under tensor (sequence) and context parallelism a rank holds only
-a piece of each sequence, but DeepSeek-V3's balancing loss (``seq_aux_loss``) and the expert-bias
-token counts are statistics of whole sequences. So a MoE layer all-gathers its input over the
-``cp × tp`` ranks of one sample (``mlp.router.all_gather``, MindFormers' name), routes every token
-on every one of those ranks (identical results), and reduce-scatters its output back. The work is
-not duplicated: the expert-sorted token rows are split evenly over those ``cp·tp`` ranks, each rank
-runs the experts on its slice only, and the partial outputs are summed by the reduce-scatter. The
-shared experts are tensor-parallel (partial over tp) and, being replicated over cp, scaled by 1/cp;
-the balancing loss, computed identically on all ``cp·tp`` ranks, has its gradient scaled by 1/tp
-(each context-parallel rank stands for its share of the objective, see ``context_parallel``).
+**Whole tensor-parallel shard in the router.** Under tensor (sequence) parallelism a rank holds
+``1/tp`` of its tokens between the layers, but routing is done once per token. So a MoE layer
+all-gathers its input over the ``tp`` ranks (``mlp.router.all_gather``, MindFormers' name), routes
+every token on every one of those ranks (identical results), and reduce-scatters its output back.
+The work is not duplicated: the expert-sorted token rows are split evenly over the tp ranks, each
+rank runs the experts on its slice only, and the partial outputs are summed by the reduce-scatter.
+The shared experts are tensor-parallel (partial over tp); the balancing loss, computed identically
+on the tp ranks, has its gradient scaled by 1/tp.
+
+Context parallel ranks run the MoE layer on their own tokens only (routing, dispatch, experts and
+shared experts); the statistics of the balancing loss are summed over the cp ranks of a sequence
+(``context_parallel``), and the expert-bias token counts over dp × cp (the strategy's
+``expert_count_group``).
 
 **Expert parallel** (TorchTitan's ``ExpertParallel``): the stacked expert weights are ``Shard(0)``
 DTensors on the ``ep`` mesh, and ``GroupedExperts.forward(x_sorted, num_tokens_per_expert)`` is
@@ -68,24 +71,22 @@ def _slice_counts(counts: torch.Tensor, start: int, end: int) -> torch.Tensor:
                         min=0)).to(counts.dtype)
 
 
-def apply_moe_sequence_split(moe: nn.Module, cp_tp_group: dist.ProcessGroup, tp: int, cp: int) -> None:
-    """Gather the sequence into the MoE layer over ``cp_tp_group`` and split its expert rows."""
-    parts = dist.get_world_size(cp_tp_group)
-    index = dist.get_rank(cp_tp_group)
-    moe.router.all_gather = functools.partial(comm.all_gather, group=cp_tp_group, dim=1)
-    moe.reduce_scatter = functools.partial(comm.reduce_scatter, group=cp_tp_group, dim=1)
+def apply_moe_sequence_split(moe: nn.Module, tp_group: dist.ProcessGroup) -> None:
+    """Gather the tensor-parallel sequence shards into the MoE layer and split its expert rows."""
+    parts = dist.get_world_size(tp_group)
+    index = dist.get_rank(tp_group)
+    moe.router.all_gather = functools.partial(comm.all_gather, group=tp_group, dim=1)
+    moe.reduce_scatter = functools.partial(comm.reduce_scatter, group=tp_group, dim=1)
 
     def before(mod, args, kwargs):
         return (mod.router.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
 
     def after(mod, output, state):
-        if mod.aux_loss is not None and tp > 1:
-            mod.aux_loss = scale_grad(mod.aux_loss, 1.0 / tp)
+        if mod.aux_loss is not None:
+            mod.aux_loss = scale_grad(mod.aux_loss, 1.0 / parts)
         return mod.reduce_scatter(output)
 
     around_forward(moe, before, after)
-    if moe.shared_experts is not None and cp > 1:
-        transform_output(moe.shared_experts, lambda out: out * (1.0 / cp))
 
     experts = moe.experts
 
@@ -202,16 +203,15 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
 
 
 def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> list[nn.Module]:
-    """The MoE part of parallelize: sequence gather + row split over cp·tp, then expert parallel.
+    """The MoE part of parallelize: sequence gather + row split over tp, then expert parallel.
     Returns the routed-expert modules (FSDP shards them on their own mesh)."""
     experts = []
     moes = model.moe_layers()
     if not moes:
         return experts
-    cp_tp = dims.cp * dims.tp
     for moe in moes:
-        if cp_tp > 1:
-            apply_moe_sequence_split(moe, dims.mesh("cp_tp").get_group(), dims.tp, dims.cp)
+        if dims.tp > 1:
+            apply_moe_sequence_split(moe, dims.mesh("tp").get_group())
         if dims.ep > 1:
             apply_expert_parallel(moe.experts, dims.mesh("ep"), dispatcher)
         experts.append(moe.experts)

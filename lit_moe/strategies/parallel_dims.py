@@ -117,8 +117,8 @@ class ParallelDims:
 
     @property
     def seq_divisor(self) -> int:
-        """The sequence length must be a multiple of this (cp chunks, each split over tp)."""
-        return self.cp * self.tp
+        """The sequence length must be a multiple of this (2·cp zig-zag chunks, each rank's split over tp)."""
+        return (2 * self.cp if self.cp > 1 else 1) * self.tp
 
     @property
     def enabled(self) -> bool:
@@ -158,20 +158,17 @@ class ParallelDims:
                 raise ParallelismError(
                     f"parallelism.expert_parallel: {E} must divide model.n_routed_experts {experts}")
         if seq_length is not None:
-            if seq_length % (C * T):
+            chunks = 2 * C if C > 1 else 1
+            if seq_length % (chunks * T):
                 raise ParallelismError(
-                    f"sequence length {seq_length} must be divisible by context_parallel({C}) * "
-                    f"tensor_parallel({T}) = {C * T} (the sequence is split into cp chunks, each "
+                    f"sequence length {seq_length} must be divisible by {'2 * ' if C > 1 else ''}"
+                    f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
+                    "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
                 "supported (the position table is added before the sequence is split)")
-        mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
-        if C > 1 and mtp:
-            raise ParallelismError(
-                f"parallelism.context_parallel: {C} with model.num_nextn_predict_layers {mtp} is not "
-                "supported yet (multi-token prediction shifts tokens across context-parallel chunks)")
 
     def accumulation_steps(self, global_batch_size: int, local_batch_size: int) -> int:
         """``A = global_batch_size // (data_parallel · local_batch_size)`` (MindFormers' floor division)."""
@@ -274,7 +271,7 @@ def _shared_expert_width(cfg: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 CONTEXT_PARALLEL_METHODS = ("colossal", "ulysses", "hybrid")
-IMPLEMENTED_CP_METHODS = ("colossal",)   # what lit_moe.strategies.context_parallel does
+IMPLEMENTED_CP_METHODS = CONTEXT_PARALLEL_METHODS   # lit_moe.strategies.context_parallel does all three
 RESHARD_POLICIES = ("always", "never", "default")
 
 
@@ -456,11 +453,14 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
         if k != F:
             raise ParallelismError(f"parallelism.dense_fsdp_shard_size: {k} needs dense weights sharded over fewer "
                                    f"ranks than fsdp ({F}), which lit_moe does not implement yet; set it to null")
-    if dims.cp > 1 and p.context_parallel_async and p.context_parallel_method == "ulysses":
-        heads = getattr(model_config, "num_attention_heads", 0)
+    if dims.cp > 1:
+        # MindFormers checks this for async ulysses only; every Ulysses exchange splits the heads
+        # (those of one tensor-parallel rank)
         degree = cp_ulysses_degree(p)
-        if heads % degree:
-            raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}) must be "
+        heads = getattr(model_config, "num_attention_heads", None)
+        if heads is not None and (heads // dims.tp) % degree:
+            per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
+            raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
     if dims.pp > 1:
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))

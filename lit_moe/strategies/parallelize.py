@@ -36,17 +36,17 @@ def apply_tp(model: nn.Module, dims) -> None:
 
 
 def apply_ep(model: nn.Module, dims, dispatcher: str) -> None:
-    if dims.ep > 1 or dims.cp * dims.tp > 1:
+    if dims.ep > 1 or dims.tp > 1:
         from lit_moe.strategies.expert_parallel import apply_moe_parallel
 
         apply_moe_parallel(model, dims, dispatcher)
 
 
-def apply_cp(model: nn.Module, dims) -> None:
+def apply_cp(model: nn.Module, dims, parallelism: ParallelismConfig) -> None:
     if dims.cp > 1:
         from lit_moe.strategies.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, dims.mesh("cp"))
+        apply_context_parallel(model, dims, parallelism)
 
 
 def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims) -> None:
@@ -183,7 +183,7 @@ def parallelize(
 
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
-    apply_cp(model, dims)
+    apply_cp(model, dims, parallelism)
     apply_recompute_step(model, recompute, recompute_comm, dims)
     if force_fsdp or needs_fsdp(dims):
         if not dims.meshes:

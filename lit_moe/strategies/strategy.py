@@ -126,10 +126,10 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
 
     @property
     def expert_count_group(self) -> Optional[dist.ProcessGroup]:
-        """Ranks whose MoE token counts must be summed: the data-parallel ranks. The MoE layers see
-        the whole sequence on every tensor- and context-parallel rank (they gather it), so their
-        counts are identical across those ranks."""
-        return self.dp_group
+        """Ranks whose MoE token counts must be summed: dp × cp. Context-parallel ranks route their own
+        shard of the sequence; tensor-parallel ranks route the same tokens (the MoE layer gathers
+        the tp shards), so tp is not summed over."""
+        return self.parallel_dims.mesh("dp_cp").get_group() if self._meshes_ready() else None
 
     @property
     def batch_replicas(self) -> int:

@@ -53,12 +53,22 @@ def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -
 
 def _colwise(linear: nn.Module, mesh) -> None:
     distribute_param(linear, "weight", mesh, [Shard(0)])
+    _shard_adapters(linear, mesh, "colwise")
     use_local_params(linear)
 
 
 def _rowwise(linear: nn.Module, mesh) -> None:
     distribute_param(linear, "weight", mesh, [Shard(1)])
+    _shard_adapters(linear, mesh, "rowwise")
     use_local_params(linear)
+
+
+def _shard_adapters(linear: nn.Module, mesh, style: str) -> None:
+    """LoRA layers (:class:`lit_moe.lora.LoRALinear`) name the adapter that is split with the base
+    weight (``lora_b`` rows of a column-parallel layer, ``lora_a`` columns of a row-parallel one);
+    the other adapter is replicated like every remaining parameter."""
+    for name, dim in getattr(linear, "TP_ADAPTER_SHARDS", {}).get(style, {}).items():
+        distribute_param(linear, name, mesh, [Shard(dim)])
 
 
 def _sequence_parallel_block(block: nn.Module, group) -> None:
