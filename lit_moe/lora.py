@@ -187,7 +187,8 @@ class LoRAGroupedExperts(GroupedExperts):
         new.use_grouped_mm = base.use_grouped_mm
         return new
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         w1 = _local(self.gate_up_proj).to(x.dtype)
         w2 = _local(self.down_proj).to(x.dtype)
         a1, b1 = _local(self.gate_up_proj_lora_a).to(x.dtype), _local(self.gate_up_proj_lora_b).to(x.dtype)
@@ -206,7 +207,7 @@ class LoRAGroupedExperts(GroupedExperts):
             return _expert_matmul(t, w, num_tokens_per_expert, offs, sizes)
 
         h = mm(x, w1) + mm(mm(self.lora_dropout(x), a1), b1) * self.scaling
-        a = self.act.forward_packed(h)
+        a = self._weighted_act(h, None if row_weights is None else row_weights.to(x.dtype))   # as GroupedExperts
         return mm(a, w2) + mm(mm(self.lora_dropout(a), a2), b2) * self.scaling
 
     def delta_weights(self) -> dict[str, torch.Tensor]:

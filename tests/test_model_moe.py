@@ -372,14 +372,15 @@ def test_routing_and_dispatch_make_no_host_sync(monkeypatch, capacity):
 
 
 def test_assignment_rows_gather_and_gradient():
-    from lit_moe.model.moe import _AssignmentRows
+    from lit_moe.model.moe import _AssignmentRows, inverse_permutation
 
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     order = torch.tensor([7, 0, 9, 3, 4, 1, 8])       # some of the 10 assignments of K = 2, shuffled
     g = torch.randn(7, 3, dtype=torch.float64)
-    (got,) = torch.autograd.grad((_AssignmentRows.apply(x, order, 2) * g).sum(), x)
+    inverse = inverse_permutation(order, 10)
+    (got,) = torch.autograd.grad((_AssignmentRows.apply(x, order, inverse, 2) * g).sum(), x)
     (want,) = torch.autograd.grad((x.index_select(0, order // 2) * g).sum(), x)
-    assert torch.equal(_AssignmentRows.apply(x, order, 2), x.index_select(0, order // 2))
+    assert torch.equal(_AssignmentRows.apply(x, order, inverse, 2), x.index_select(0, order // 2))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
@@ -392,3 +393,52 @@ def test_bf16_router_keeps_small_bias_steps():
         r.expert_bias.copy_(torch.tensor([0.0, 1e-3, 0, 0, 0, 0, 0, 0]))
     scores = torch.tensor([[0.5, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]], dtype=torch.bfloat16)
     assert r.select(scores).tolist() == [[1]]
+
+
+def test_combine_stays_in_compute_dtype_without_zero_buffers(monkeypatch):
+    """bf16 compute, accelerator layout (no CPU row padding): forward and backward of the routed part
+    make no fp32 tensor of T*K*H elements or more, and no zero-filled [T*K, H] buffer written by an
+    index scatter; the result stays close to the fp64 token-loop reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lit_moe.model.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "grouped_mm_row_align", lambda device: 1)
+    _, moe = make_moe(compute_dtype="bfloat16", n_shared_experts=0, hidden_size=16)   # H != E
+    moe.train()
+    B, S, H, K = 2, 24, 16, moe.top_k
+    x = torch.randn(B, S, H)
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    seen.append((str(func.overloadpacket), t.dtype, t.numel(), tuple(t.shape)))
+            return out
+
+    xb = x.to(torch.bfloat16).requires_grad_()
+    with Record():
+        y = moe(xb)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and ("aten._grouped_mm", torch.bfloat16, S * B * K * H, (B * S * K, H)) in seen
+    big_fp32 = [s for s in seen if s[1] == torch.float32 and s[2] >= B * S * K * H]
+    assert not big_fp32, big_fp32
+    scatters = [s for s in seen if s[0] in ("aten.index_copy", "aten.index_add", "aten.index_put", "aten.scatter",
+                                            "aten.scatter_add") and s[3][-1:] == (H,)]
+    assert not scatters, scatters
+    ref = naive_moe(moe.double(), x.double()).float()
+    assert (y.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_row_weights_scale_rows_ahead_of_the_down_projection():
+    """GroupedExperts(x, counts, w) = w * GroupedExperts(x, counts) row by row (fp64, exact up to rounding),
+    on the grouped-GEMM path (as on a CPU: rows padded to buckets) and the per-expert loop."""
+    for grouped in (True, False):
+        _, moe = make_moe(moe_grouped_gemm=grouped)
+        experts = moe.experts.double()
+        x = torch.randn(10, 8, dtype=torch.float64)
+        counts = torch.tensor([3, 0, 2, 1, 0, 4, 0, 0])
+        w = torch.rand(10, 1, dtype=torch.float64)
+        torch.testing.assert_close(experts(x, counts, w), w * experts(x, counts), atol=1e-12, rtol=1e-12)

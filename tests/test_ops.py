@@ -131,3 +131,90 @@ def test_linear_casts_weight_to_input_dtype():
     y.float().sum().backward()
     assert lin.weight.grad.dtype == torch.float32
     assert lin.bias is None
+
+
+def test_fused_linear_is_one_gemm_equal_to_the_modules_and_respects_hooks():
+    from lit_moe.ops import Linear, fused_linear
+
+    torch.manual_seed(0)
+    a, b = Linear(16, 8), Linear(16, 4)
+    with torch.no_grad():
+        a.weight.normal_(), b.weight.normal_()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    calls = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        y = fused_linear(x, a, b)
+    assert len(calls) == 1 and y.shape == (3, 12)
+    torch.testing.assert_close(y, torch.cat([a(x), b(x)], -1), atol=0, rtol=0)
+    hooked = []
+    b.register_forward_hook(lambda m, i, o: hooked.append(o.shape))   # e.g. tensor parallel, recompute
+    calls.clear()
+    with Count():
+        y2 = fused_linear(x, a, b)
+    assert len(calls) == 2 and hooked == [(3, 4)]
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# SDPA backend choice (CUDA); checked on CPU with stand-in availability tables
+# ----------------------------------------------------------------------------------------------
+# flash is asked about the padded value (d_v = d_qk), the others about the real one
+@pytest.mark.parametrize("available,expected,asked", [
+    ({"cudnn", "flash", "efficient"}, ("cudnn", False), [("cudnn", 128)]),
+    ({"flash", "efficient"}, ("flash", True), [("cudnn", 128), ("flash", 192)]),
+    ({"efficient"}, ("efficient", False), [("cudnn", 128), ("flash", 192), ("efficient", 128)]),
+    (set(), (None, False), [("cudnn", 128), ("flash", 192), ("efficient", 128)]),
+])
+def test_sdpa_backend_priority_and_logged_once(monkeypatch, caplog, available, expected, asked):
+    import lit_moe.ops.sdpa as sdpa_mod
+
+    seen = []
+
+    def fake(backend, q_shape, v_dim, *rest):
+        seen.append((backend, v_dim))
+        return backend in available
+
+    monkeypatch.setattr(sdpa_mod, "_can_use", fake)
+    sdpa_mod._choose.cache_clear()
+    with caplog.at_level("INFO", logger="lit_moe.ops.sdpa"):
+        for _ in range(3):
+            got = sdpa_mod.sdpa_backend((2, 16, 64, 192), 128, torch.bfloat16, torch.device("cpu"), False, 0.0, True)
+    sdpa_mod._choose.cache_clear()
+    assert got == expected and seen == asked                  # decided once for the three calls
+    assert len([r for r in caplog.records if r.name == "lit_moe.ops.sdpa"]) == 1
+
+
+def test_sdpa_padded_value_matches_unpadded(monkeypatch):
+    """The flash route of ``sdpa``: v zero-padded to d_qk, the output sliced back; values and all
+    gradients equal plain SDPA, with and without a mask (the math backend stands in for flash)."""
+    import lit_moe.ops.sdpa as sdpa_mod
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(sdpa_mod, "_backend_for", lambda *a: ("flash", True))
+    monkeypatch.setitem(sdpa_mod._BACKENDS, "flash", SDPBackend.MATH)
+    padded = []
+    original = sdpa_mod.padded_value
+    monkeypatch.setattr(sdpa_mod, "padded_value", lambda v, d: padded.append(d) or original(v, d))
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 10, 12, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 3, 10, 8, dtype=torch.float64, generator=g).requires_grad_()
+    do = torch.randn(2, 3, 10, 8, dtype=torch.float64, generator=g)
+    mask = (torch.rand(1, 1, 10, 10, generator=g) > 0.3) | torch.eye(10, dtype=torch.bool)
+    for allowed in (None, mask):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
+                                                               scale=0.3)
+        want = torch.autograd.grad((ref * do).sum(), (q, k, v))
+        out = sdpa_mod.sdpa(q, k, v, allowed, 0.0, 0.3)
+        got = torch.autograd.grad((out * do).sum(), (q, k, v))
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert padded == [12, 12]

@@ -210,7 +210,7 @@ def test_bad_inputs_each_get_one_line(chain, tmp_path, capsys, monkeypatch):
     cases = [
         (lambda c: c["files"].update({"../../escape.safetensors": next(iter(c["files"].values()))}),
          "names '../../escape.safetensors', not a file of"),
-        (lambda c: c.pop("files"), "lists no files"),
+        (lambda c: c.pop("files"), "has no list of files"),
         (lambda c: c.update(trainer_state=safejson.encode({k: v for k, v in safejson.decode(c["trainer_state"]).items()
                                                          if k != "loops"})),
          "has no training loop state (loops)"),

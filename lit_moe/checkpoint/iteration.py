@@ -283,8 +283,8 @@ class IterationReader:
                                   f"up to {FORMAT_VERSION}")
         self.common = raw
         files = raw.get("files")
-        if not isinstance(files, dict) or not files:
-            raise CheckpointError(f"checkpoint file corrupted: {common_path} lists no files")
+        if not isinstance(files, dict):
+            raise CheckpointError(f"checkpoint file corrupted: {common_path} has no list of files")
         self.files: dict[str, dict] = files
         for name, info in self.files.items():
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..", COMMON):

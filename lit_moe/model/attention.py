@@ -19,8 +19,9 @@ from torch import nn
 
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
-from lit_moe.ops import Linear, apply_rotary, build_norm
+from lit_moe.ops import Linear, apply_rotary, build_norm, fused_linear
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
+from lit_moe.ops.sdpa import sdpa
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,9 +135,8 @@ class CoreAttention(nn.Module):
         if self.use_flash_attention and allowed is None and dropout == 0.0 and use_block_causal(q):
             # plain causal on a CPU: skip the masked half and stay in the GEMM dtype (ops/attention.py)
             return block_causal_attention(q, k, v, self.scale, self.softmax_dtype)
-        if self.use_flash_attention:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                                  is_causal=allowed is None, scale=self.scale)
+        if self.use_flash_attention:   # fused SDPA; on CUDA cuDNN -> flash -> memory-efficient (ops/sdpa.py)
+            return sdpa(q, k, v, allowed, dropout, self.scale)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(self.softmax_dtype) * self.scale
         if allowed is None:
             S = q.shape[-2]
@@ -202,12 +202,15 @@ class MLAttention(nn.Module):
         B, S, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
+            latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            # the two down projections of x as one GEMM (q_a_proj and kv_a_proj_with_mqa stay separate modules)
+            q_latent, latent, k_pe = fused_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa).split(
+                [self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_latent))
         q = q.view(B, S, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = k_pe.view(B, S, 1, self.qk_rope_head_dim)   # one rope key shared by all heads

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,6 +40,33 @@ def _describe(err: BaseException) -> str:
     return " <- ".join(parts)
 
 
+# Whether the autograd engine was running when the current compiled call was entered (see in_backward).
+_ENTERED_IN_BACKWARD = False
+
+
+def _engine_running() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (activation recompute re-runs forward inside backward).
+
+    Dynamo cannot trace the engine's state (a graph break), so inside a compiled function this is
+    the state captured when the function was entered, a module global: dynamo guards on it, so the
+    forward and the recompute in backward each get a graph of their own, compiled once."""
+    if torch.compiler.is_compiling():
+        return _ENTERED_IN_BACKWARD
+    return _engine_running()
+
+
+def compile_enabled(torch_compile: Optional[bool], device: torch.device) -> bool:
+    """The model's ``torch_compile`` switch for parameters on ``device``: None means CUDA only."""
+    return device.type == "cuda" if torch_compile is None else bool(torch_compile)
+
+
+_WARNED = False
+
+
 class _MaybeCompiled:
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -49,14 +76,19 @@ class _MaybeCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.failed:
+            global _ENTERED_IN_BACKWARD
+            _ENTERED_IN_BACKWARD = _engine_running()
             try:
                 return self.compiled(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - filtered just below
                 if not _is_compiler_error(err):
                     raise
+                global _WARNED
                 self.failed = True
-                log.warning("torch_compile: compiling %s failed (%s); it runs eagerly",
-                            getattr(self.fn, "__qualname__", self.fn), _describe(err))
+                # one warning (a missing compiler fails every function the same way), the rest at info
+                (log.info if _WARNED else log.warning)("torch_compile: compiling %s failed (%s); it runs eagerly",
+                                                       getattr(self.fn, "__qualname__", self.fn), _describe(err))
+                _WARNED = True
         return self.fn(*args, **kwargs)
 
 

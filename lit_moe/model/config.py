@@ -222,13 +222,14 @@ class DeepseekV3Config:
     """dtype of the attention softmax (explicit path; the fused SDPA kernels always use fp32)."""
     rotary_dtype: str = "float32"
     """dtype of the rotary cos/sin and rotation (result cast back)."""
-    torch_compile: bool = False
-    """Compile every decoder layer with ``torch.compile`` (inductor), which fuses their element-wise
-    work (norms, rotary, casts, SwiGLU, attention softmax), and the output head (norm, head GEMM, loss)
-    of forwards without gradient; training forwards keep the fused linear-cross-entropy head either way
-    (``lit_moe.ops.cross_entropy``). Compilation happens on the first step (tens of seconds on a CPU);
-    where it fails (no compiler, a backend without inductor support) a warning is logged and that part
-    runs eagerly."""
+    torch_compile: Optional[bool] = None
+    """Compile every decoder layer (MTP layers' included) with ``torch.compile`` (inductor), which
+    fuses their element-wise work (norms, rotary, casts, SwiGLU, attention softmax), and the output
+    head (norm, fused linear-cross-entropy or head GEMM + loss). ``null`` (default): on for CUDA,
+    where compiled layers run faster, off on other devices (on a CPU compiling takes tens of seconds
+    and the eager CPU kernels are tuned already). Compilation happens on the first step; where it
+    fails (no compiler, a backend without inductor support) one warning is logged and that part runs
+    eagerly."""
     pad_token_id: Optional[int] = None
     """Written to Hugging Face ``config.json``; not used for masking."""
     bos_token_id: Optional[int] = 0

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
-from lit_moe.model.compile import compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.ops import build_norm
@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
         self.torch_compile = config.torch_compile
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        if self.torch_compile:
+        if compile_enabled(self.torch_compile, x.device):
             return compiled(DecoderLayer._forward)(self, x, ctx)
         return self._forward(x, ctx)
 

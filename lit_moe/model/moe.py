@@ -4,8 +4,11 @@ Routing ("noaux_tc"): scores s = sigmoid(W_g u) (or softmax), computed in ``rout
 experts are *chosen* on s + b (b = expert bias, aux-loss-free balancing), optionally limited to the
 ``topk_group`` groups whose two best biased scores sum highest; the combine weights are the
 *unbiased* scores of the chosen experts, renormalised (``norm_topk_prob``) and multiplied by
-``routed_scaling_factor``. Tokens are permuted to expert order with one stable argsort, run through
-the experts as grouped GEMMs, and un-permuted with index_copy (no atomics, deterministic).
+``routed_scaling_factor``. Tokens are permuted to expert order with one stable argsort and run
+through the experts as grouped GEMMs; each row's combine weight scales its activation ahead of the
+down projection, so the expert outputs come out already weighted, in the compute dtype. They are
+un-permuted with a gather through the inverse permutation and summed over the K choices of each
+token: no fp32 ``[T, K, H]`` tensor, no zero buffer, no scatter of rows, no atomics (deterministic).
 """
 
 from __future__ import annotations
@@ -17,18 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_moe.model.compile import in_backward
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.ops import GatedActivation, Linear
+from lit_moe.ops import GatedActivation, Linear, fused_linear
 
 
 def _activation(config: DeepseekV3Config) -> GatedActivation:
     return GatedActivation(config.hidden_act, config.gelu_approximate, config.silu_inplace,
                            config.use_fused_swiglu)
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (activation recompute re-runs forward inside backward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,7 +45,8 @@ class MLP(nn.Module):
         self.act = _activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        # one GEMM for gate and up (the two Linear modules and their checkpoint names stay)
+        return self.down_proj(self.act.forward_packed(fused_linear(x, self.gate_proj, self.up_proj)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,24 +140,55 @@ def expert_counts(flat_e: torch.Tensor, num_bins: int, weights: Optional[torch.T
     return torch.zeros(num_bins, dtype=flat_e.dtype, device=flat_e.device).scatter_add_(0, flat_e, ones)
 
 
+def inverse_permutation(order: torch.Tensor, size: int) -> torch.Tensor:
+    """``inverse [size]`` with ``inverse[order[i]] = i``; positions missing from ``order`` (dropped
+    assignments, when ``len(order) < size``) get ``len(order)``, the index of an appended zero row."""
+    n = order.numel()
+    positions = torch.arange(n, device=order.device, dtype=order.dtype)
+    if n == size:
+        return torch.empty_like(order).scatter_(0, order, positions)
+    return torch.full((size,), n, device=order.device, dtype=order.dtype).scatter_(0, order, positions)
+
+
+def _rows_or_zero(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` where ``index`` may hold ``len(x)`` for a zero row."""
+    if index.numel() > x.shape[0]:
+        x = F.pad(x, (0, 0, 0, 1))
+    return x.index_select(0, index)
+
+
 class _AssignmentRows(torch.autograd.Function):
     """``x[order // K]``: the token row of every assignment in ``order`` (distinct assignments
-    ``a = t*K + k``). Its backward places the gradients by assignment and sums each token's K rows,
-    instead of ``index_select``'s backward, whose scatter-add of duplicate rows uses atomics on
-    accelerators (run-to-run differences)."""
+    ``a = t*K + k``; ``inverse = inverse_permutation(order, T*K)``). Its backward gathers the
+    gradients back by assignment and sums each token's K rows, instead of ``index_select``'s
+    backward, a scatter-add of duplicate rows into a zero buffer (atomics on accelerators)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.top_k, ctx.tokens = top_k, x.shape[0]
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
         return x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        by_assignment = _rows_or_zero(grad, inverse)
+        return by_assignment.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """``y_sorted`` back in assignment order: ``y[a] = y_sorted[inverse[a]]`` (a zero row for an
+    assignment missing from ``order``). The backward is the forward gather, ``grad[order]``."""
+
+    @staticmethod
+    def forward(ctx, y_sorted: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        return _rows_or_zero(y_sorted, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
-        T, K = ctx.tokens, ctx.top_k
-        by_assignment = grad.new_zeros(T * K, grad.shape[-1]).index_copy_(0, order, grad)
-        return by_assignment.view(T, K, -1).sum(dim=1), None, None
+        return grad.index_select(0, order), None, None
 
 
 def capacity_ranks(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, policy: str
@@ -196,6 +227,7 @@ class _ContiguousGrad(torch.autograd.Function):
 _GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
 
 
+@torch.compiler.assume_constant_result   # probed eagerly, a constant of compiled graphs (no graph break)
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` (forward and backward) works for this device type and dtype; probed once."""
     key = (device.type, dtype)
@@ -276,27 +308,38 @@ class GroupedExperts(nn.Module):
         self.act = _activation(config)
         self.use_grouped_mm = config.moe_grouped_gemm
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``row_weights [N, 1]`` (optional): each row's combine weight, applied to its activation
+        ahead of the down projection (in the compute dtype)."""
         w1 = _local(self.gate_up_proj).to(x.dtype)
         w2 = _local(self.down_proj).to(x.dtype)
+        if row_weights is not None:
+            row_weights = row_weights.to(x.dtype)
         # no rows at all (an expert-parallel rank that received no tokens): the loop below, whose
         # empty GEMMs still give every expert weight its (zero) gradient; grouped_mm's backward
         # rejects an empty input
         if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_usable(x, w1, w2):
             align = grouped_mm_row_align(x.device)
             if align > 1 and num_tokens_per_expert.numel() > 0:
-                return self._aligned_grouped_mm(x, num_tokens_per_expert, w1, w2, align)
+                return self._aligned_grouped_mm(x, num_tokens_per_expert, w1, w2, align, row_weights)
             offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
             h = F.grouped_mm(x, w1, offs=offs)
-            y = F.grouped_mm(self.act.forward_packed(h), w2, offs=offs)
+            y = F.grouped_mm(self._weighted_act(h, row_weights), w2, offs=offs)
             return _ContiguousGrad.apply(y)
         # Exact fallback: one GEMM per expert over its contiguous slice (a loop over experts, not tokens).
         sizes = num_tokens_per_expert.tolist()
-        outs = [self.act.forward_packed(xe @ w1[e]) @ w2[e] for e, xe in enumerate(torch.split(x, sizes))]
+        weights = [None] * len(sizes) if row_weights is None else torch.split(row_weights, sizes)
+        outs = [self._weighted_act(xe @ w1[e], we) @ w2[e]
+                for e, (xe, we) in enumerate(zip(torch.split(x, sizes), weights))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
+    def _weighted_act(self, h: torch.Tensor, row_weights: Optional[torch.Tensor]) -> torch.Tensor:
+        a = self.act.forward_packed(h)
+        return a if row_weights is None else a * row_weights
+
     def _aligned_grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                            align: int) -> torch.Tensor:
+                            align: int, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The grouped GEMMs with every group's rows rounded up to its bucket (:func:`bucketed_group_rows`).
 
         Pad rows are zeros whose outputs are never read (zero gradient everywhere). Eagerly the buffer
@@ -318,8 +361,10 @@ class GroupedExperts(nn.Module):
         dest = torch.arange(N, device=x.device) + (padded_start - start)[expert]     # row -> padded slot
         offs = torch.cumsum(padded, 0, dtype=torch.int32)
         x_padded = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+        if row_weights is not None:
+            row_weights = row_weights.new_zeros(rows, 1).index_copy(0, dest, row_weights)
         h = F.grouped_mm(x_padded, w1, offs=offs)
-        y = F.grouped_mm(self.act.forward_packed(h), w2, offs=offs)
+        y = F.grouped_mm(self._weighted_act(h, row_weights), w2, offs=offs)
         return _ContiguousGrad.apply(y).index_select(0, dest)
 
     def extra_repr(self) -> str:
@@ -395,6 +440,7 @@ class MoE(nn.Module):
         T, H = flat_x.shape
         K, E = self.top_k, self.num_experts
         flat_e = indices.reshape(-1)                                   # assignment a = t*K + k
+        flat_w = weights.reshape(-1, 1)
         capacity = self.capacity(T)
         keep = rank = None
         if capacity is not None:
@@ -404,8 +450,6 @@ class MoE(nn.Module):
         if keep is None:                                               # dropless
             order = torch.argsort(flat_e, stable=True)
             counts = expert_counts(flat_e, E)
-            y_sorted = self.experts(_AssignmentRows.apply(flat_x, order, K), counts)
-            y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
             kept_counts = counts
         elif self.pad_to_capacity:                                     # exactly C rows per expert
             # slot of every kept assignment; dropped ones go to a spare last slot that is cut off
@@ -415,21 +459,23 @@ class MoE(nn.Module):
                                           device=flat_x.device).scatter_(0, slot, assignments)[:-1]
             per_assignment = flat_x.unsqueeze(1).expand(T, K, H).reshape(T * K, H)
             counts = torch.full((E,), capacity, dtype=torch.long, device=flat_x.device)
-            y_slots = self.experts(per_assignment.index_select(0, slot_assignment), counts)
+            y_slots = self.experts(per_assignment.index_select(0, slot_assignment), counts,
+                                   flat_w.index_select(0, slot_assignment))
             y = torch.where(keep[:, None], y_slots.index_select(0, slot.clamp(max=E * capacity - 1)), 0.0)
-            kept_counts = expert_counts(flat_e, E, keep)
+            self._record(expert_counts(flat_e, E, keep), T * K)
+            return y.view(T, K, H).sum(dim=1)
         else:                                                          # dropped assignments skip the experts
             masked_e = torch.where(keep, flat_e, E)
             order = torch.argsort(masked_e, stable=True)
             kept_counts = expert_counts(masked_e, E + 1)[:E]
             order = order[: int(kept_counts.sum())]                    # host sync: the kept count is dynamic
-            y_sorted = self.experts(_AssignmentRows.apply(flat_x, order, K), kept_counts)
-            y = flat_x.new_zeros(T * K, H).index_copy(0, order, y_sorted)
+            counts = kept_counts
 
-        combine = weights if keep is None else weights * keep.view(T, K)
-        routed = (y.view(T, K, H).float() * combine.float().unsqueeze(-1)).sum(dim=1)
+        inverse = inverse_permutation(order, T * K)
+        y_sorted = self.experts(_AssignmentRows.apply(flat_x, order, inverse, K), counts,
+                                flat_w.index_select(0, order))
         self._record(kept_counts, T * K)
-        return routed.to(flat_x.dtype)
+        return _Unpermute.apply(y_sorted, order, inverse).view(T, K, H).sum(dim=1)
 
     def _recording(self) -> bool:
         # counters move only in a real training forward: not in eval, not without grad, not in recompute

@@ -20,7 +20,7 @@ from torch import nn
 
 from lit_moe.model import hf
 from lit_moe.model.attention import AttentionContext
-from lit_moe.model.compile import compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import DecoderLayer, block_norm
 from lit_moe.model.loss import masked_cross_entropy
@@ -170,8 +170,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             if loss_mask is not None:
                 mask = mask & (loss_mask != 0)
         if labels is not None and self._fused_loss():
-            h = self.norm(h)
-            logits, loss = None, self.lm_head(h, labels, mask)
+            h, loss = self._maybe_compiled(DeepseekV3ForCausalLM._fused_head)(self, h, labels, mask)
+            logits = None
         else:
             h, logits, loss = self._maybe_compiled(DeepseekV3ForCausalLM._head)(self, h, labels, mask)
         out = CausalLMOutput(logits=logits, loss=loss)
@@ -197,7 +197,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             ids, lab, msk, pos = (self.shift_left(t) for t in (ids, lab, msk, pos))
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
-                total = total + self.lm_head(hidden, lab, msk)
+                total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_fused_loss)(self, hidden, lab, msk)
             else:
                 total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_loss)(self, hidden, lab, msk)
         return total * (self.config.mtp_loss_scaling_factor / len(self.mtp))
@@ -209,6 +209,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         logits = self.lm_head(h).float()
         loss = self.loss_function(logits, labels, mask) if labels is not None else None
         return h, logits, loss
+
+    def _fused_head(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and the fused linear + cross-entropy (training): (normed h, loss)."""
+        h = self.norm(h)
+        return h, self.lm_head(h, labels, mask)
+
+    def _mtp_fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden, labels, mask)
 
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.loss_function(self.lm_head(hidden).float(), labels, mask)
@@ -223,8 +232,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
         # vocabulary-parallel loss with collectives inside. (Training forwards of that default form
-        # take the fused head instead, so this compiles forwards without gradient.)
-        if self.config.torch_compile and self.loss_function is masked_cross_entropy:
+        # compile the fused head, the others the plain norm + head + loss.)
+        if (compile_enabled(self.config.torch_compile, self.lm_head.weight.device)
+                and self.loss_function is masked_cross_entropy):
             return compiled(fn)
         return fn
 

@@ -94,7 +94,8 @@ def apply_moe_sequence_split(moe: nn.Module, tp_group: dist.ProcessGroup) -> Non
         x, counts = args[0], args[1]
         n = x.shape[0]
         start, end = _slice_bounds(n, index, parts)
-        return (x[start:end], _slice_counts(counts, start, end)) + tuple(args[2:]), kwargs, (n, start, end)
+        row_weights = tuple(w[start:end] for w in args[2:])      # GroupedExperts' row_weights, if given
+        return (x[start:end], _slice_counts(counts, start, end)) + row_weights, kwargs, (n, start, end)
 
     def slice_after(mod, y, state):
         n, start, end = state
@@ -133,10 +134,14 @@ def _alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proces
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
     # Host copies of the split sizes: the all-to-all of the rows needs them (one sync per layer).
     send_splits, recv_splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
-    rows = comm.all_to_all(x, recv_splits, send_splits, group)
     perm, local_counts = _expert_major(recv_counts, sum(recv_splits))
-    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, send_splits=send_splits,
-                                                                recv_splits=recv_splits)
+    d = _Dispatch(perm=perm, send_splits=send_splits, recv_splits=recv_splits)
+    return _alltoall_rows(x, d, group), local_counts, d
+
+
+def _alltoall_rows(x: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows aligned with the dispatched ones (the rows themselves, their combine weights) to their owners."""
+    return comm.all_to_all(x, d.recv_splits, d.send_splits, group).index_select(0, d.perm)
 
 
 def _alltoall_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
@@ -160,13 +165,18 @@ def _allgather_dispatch(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
                                             mine.sum(dim=1)]).tolist()
     n_max = max(sizes)
     n = x.shape[0]
-    padded = torch.nn.functional.pad(x, (0, 0, 0, n_max - n))
-    gathered = comm.all_gather(padded.unsqueeze(0), group, dim=0).reshape(ep * n_max, x.shape[-1])
     index = torch.cat([torch.arange(src * n_max + before_mine[src], src * n_max + before_mine[src] + take[src],
                                     device=counts.device) for src in range(ep)])
-    rows = gathered.index_select(0, index)
     perm, local_counts = _expert_major(mine, sum(take))
-    return rows.index_select(0, perm), local_counts, _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep)
+    d = _Dispatch(perm=perm, index=index, n=n, n_max=n_max, ep=ep)
+    return _allgather_rows(x, d, group), local_counts, d
+
+
+def _allgather_rows(x: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows aligned with the dispatched ones (the rows themselves, their combine weights): gathered, mine kept."""
+    padded = torch.nn.functional.pad(x, (0, 0, 0, d.n_max - d.n))
+    gathered = comm.all_gather(padded.unsqueeze(0), group, dim=0).reshape(d.ep * d.n_max, x.shape[-1])
+    return gathered.index_select(0, d.index).index_select(0, d.perm)
 
 
 def _allgather_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) -> torch.Tensor:
@@ -187,14 +197,16 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
         distribute_param(experts, name, ep_mesh, [Shard(0)])
     local_experts = experts.gate_up_proj.shape[0] // ep
     if dispatcher == "allgather":
-        dispatch, combine = _allgather_dispatch, _allgather_combine
+        dispatch, dispatch_rows, combine = _allgather_dispatch, _allgather_rows, _allgather_combine
     else:
-        dispatch, combine = _alltoall_dispatch, _alltoall_combine
+        dispatch, dispatch_rows, combine = _alltoall_dispatch, _alltoall_rows, _alltoall_combine
 
     def before(mod, args, kwargs):
         x, counts = args[0], args[1]
         rows, local_counts, state = dispatch(x, counts, group, local_experts)
-        return (rows, local_counts) + tuple(args[2:]), kwargs, state
+        # GroupedExperts' row_weights travel with their rows
+        row_weights = tuple(dispatch_rows(w, state, group) for w in args[2:])
+        return (rows, local_counts) + row_weights, kwargs, state
 
     def after(mod, y, state):
         return combine(y, state, group)
