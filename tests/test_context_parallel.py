@@ -58,7 +58,7 @@ def train(model, docs, group=None) -> dict:
     """AdamW on the fixed batches (every rank reads the whole batch: dp = 1 in these layouts)."""
     import torch.distributed as dist
 
-    from lit_moe.strategies import clip_grad_norm_
+    from lit_moe.strategies import clip_grads_with_norm_, global_grad_norm
 
     opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
     data = batches()
@@ -67,7 +67,9 @@ def train(model, docs, group=None) -> dict:
         tok = data[step]
         res = model(input_ids=tok[:, :-1], labels=tok[:, 1:], **document_inputs(GLOBAL_BATCH, docs))
         (res.loss + res.aux_loss + res.mtp_loss).backward()
-        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)
+        clip_grads_with_norm_(params, 1.0, norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         counts = torch.stack([m.tokens_per_expert for m in model.moe_layers()])

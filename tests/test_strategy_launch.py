@@ -37,6 +37,9 @@ class DieOnRankOne(Callback):
 
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # In-process Trainer tests leave Lightning's MASTER_PORT etc. in os.environ: launches pick their own.
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return env
 
@@ -72,7 +75,7 @@ def test_devices_two_and_a_stuck_rank_ends_the_job(tmp_path, how):
     """Rank 1 stops answering after step 1; rank 0's next collective times out after
     ``parallelism.process_group_timeout_s`` and the run ends with an error (the default 30-minute
     torch timeout would look like a hang)."""
-    timeout_s = 15
+    timeout_s = 30   # also bounds the start-up rendezvous: room for the second process to import
     cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": timeout_s})
     cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1, "how": how}}]
     path = write_config(tmp_path, cfg)
