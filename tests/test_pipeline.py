@@ -377,3 +377,15 @@ def test_fit_and_resume_across_layouts(tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+
+
+def test_evaluation_under_a_pipeline_is_one_line(tmp_path):
+    """Evaluation runs the whole model on every rank: with stages it is refused before launching."""
+    from helpers import ROOT, run_cli
+
+    proc = run_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--parallelism.pipeline_parallel", "2",
+                    "--parallelism.pipeline_parallel_layers_per_stage", "[[0],[1,2]]", "--training.eval_interval", "5",
+                    "--trainer.devices", "2"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [lines[-1]] and "training.eval_interval" in lines[-1] and "Traceback" not in proc.stderr
