@@ -93,9 +93,10 @@ def test_too_few_microbatches_names_global_batch_size():
 # ----------------------------------------------------------------------------------------------
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------
-def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False):
+def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False,
+            cp=1, method="colossal", docs=False):
     return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
-                recompute=recompute)
+                recompute=recompute, cp=cp, method=method, docs=docs)
 
 
 LAYOUTS = {
@@ -110,7 +111,25 @@ LAYOUTS = {
     "pp2_dp2": _layout(4, 2, mtp=1),
     "pp2_ep2": _layout(4, 2, ep=2),
     "pp2_tp2": _layout(4, 2, tp=2, mtp=1),
+    # context parallel inside the stages (issue 17): the stages pass [B, S/cp, H] zig-zag shards
+    "pp2_cp2_colossal_mtp": _layout(4, 2, cp=2, mtp=1),
+    # packed documents that differ per micro-batch, and layer 1 recomputed in backward: under 1F1B
+    # the recompute of micro-batch m runs after the forward of m+1, and must meet m's masks
+    "pp2_cp2_ulysses_docs": _layout(4, 2, cp=2, method="ulysses", docs=True, recompute=True),
 }
+RTOL_CP = 1e-4    # context parallel sums a loss and its gradients in another order (issue 17's bound)
+
+
+def document_inputs(rows: slice) -> dict:
+    """Packed documents of the samples ``rows`` of a step (the same for every step): sample ``b``
+    ends its documents at ``7+3b``, ``20+b`` and ``SEQ`` (crossing the zig-zag chunk boundaries),
+    given as ``actual_seq_len`` with positions restarting in each document."""
+    ends, positions = [], []
+    for b in range(GLOBAL_BATCH)[rows]:
+        doc_ends = [7 + 3 * b, 20 + b, SEQ]
+        ends.append(doc_ends)
+        positions.append(torch.cat([torch.arange(e - s) for s, e in zip([0] + doc_ends[:-1], doc_ends)]))
+    return {"actual_seq_len": torch.tensor(ends), "position_ids": torch.stack(positions)}
 
 
 def model_section(mtp: int) -> dict:
@@ -151,7 +170,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(mtp: int) -> dict:
+def reference(mtp: int, docs: bool = False) -> dict:
     """One process, no parallelism: 4 micro-batches of one sample per step."""
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies.clip import clip_grads_with_norm_, global_grad_norm
@@ -167,7 +186,8 @@ def reference(mtp: int) -> dict:
         sums = torch.zeros(3)
         for micro in range(GLOBAL_BATCH):
             tok = data[step, micro:micro + 1]
-            res = model(input_ids=tok[:, :-1], labels=tok[:, 1:])
+            extra = document_inputs(slice(micro, micro + 1)) if docs else {}
+            res = model(input_ids=tok[:, :-1], labels=tok[:, 1:], **extra)
             ((res.loss + res.aux_loss + res.mtp_loss) / GLOBAL_BATCH).backward()
             sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
         params = [p for p in model.parameters() if p.grad is not None]
@@ -206,11 +226,13 @@ def run_layout(name: str, out_dir: Path) -> None:
                                              parallelize_pipeline, pipeline_grad_norm)
 
     spec = LAYOUTS[name]
-    dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"])
+    dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"],
+                        cp=spec["cp"])
     dims.build_meshes("cpu")
     cfg = DeepseekV3Config(**model_section(spec["mtp"]))
     parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
-                                    expert_parallel=spec["ep"], pipeline_parallel=spec["pp"])
+                                    expert_parallel=spec["ep"], pipeline_parallel=spec["pp"],
+                                    context_parallel=spec["cp"], context_parallel_method=spec["method"])
     knobs = SimpleNamespace(pipeline_parallel=spec["pp"], pipeline_parallel_interleave_num=spec["v"],
                             pipeline_parallel_schedule=spec["schedule"],
                             pipeline_parallel_layers_per_stage=spec["ranges"])
@@ -229,17 +251,21 @@ def run_layout(name: str, out_dir: Path) -> None:
     egroup = embedding_group(layout, all_pipelines, spec["mtp"] > 0)
     A = GLOBAL_BATCH // dims.dp
     runner = PipelineRunner(container, parts, layout, pp_mesh.get_group(), torch.device("cpu"), A,
-                            micro_batch=(1, SEQ), seq_divisor=dims.tp, embedding_group=egroup)
+                            micro_batch=(1, SEQ), seq_divisor=dims.tp * dims.cp, embedding_group=egroup)
     opt = torch.optim.AdamW(list(container.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
     dup = embedding_duplicates(container, layout, spec["mtp"] > 0)
     dp_rank = dims.mesh("dp").get_local_rank()
+    # the ranks whose losses and expert counts make the step's: data and context parallel (each cp
+    # rank reports its share of the sequence's loss and routes its own tokens)
+    dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
     out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
     for step in range(STEPS):
         tok = data[step, dp_rank * A:(dp_rank + 1) * A]
-        losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:]})
-        dist.all_reduce(losses, group=dims.mesh("dp").get_group())
-        losses /= dims.dp
+        extra = document_inputs(slice(dp_rank * A, (dp_rank + 1) * A)) if spec["docs"] else {}
+        losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:], **extra})
+        dist.all_reduce(losses, group=dp_cp)
+        losses /= dims.dp_cp
         params = [p for p in container.parameters() if p.grad is not None]
         norm = pipeline_grad_norm(params, dims.mesh("stage").get_group(), pp_mesh.get_group(), dup)
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
@@ -250,7 +276,7 @@ def run_layout(name: str, out_dir: Path) -> None:
         moes = container.moe_layers()
         if moes:
             counts = torch.stack([_local(m.tokens_per_expert) for m in moes])
-            dist.all_reduce(counts, group=dims.mesh("dp").get_group())
+            dist.all_reduce(counts, group=dp_cp)
             container.update_expert_bias(counts)
         out["loss"].append(float(losses[0]))
         out["aux"].append(float(losses[1]))
@@ -293,7 +319,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    return {mtp: reference(mtp) for mtp in sorted({s["mtp"] for s in LAYOUTS.values()})}
+    return {key: reference(*key) for key in sorted({(s["mtp"], s["docs"]) for s in LAYOUTS.values()})}
 
 
 def _rel(a, b) -> float:
@@ -304,24 +330,26 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name, runs, references):
     spec = LAYOUTS[name]
-    ref = references[spec["mtp"]]
+    ref = references[(spec["mtp"], spec["docs"])]
+    rtol = RTOL_CP if spec["cp"] > 1 else RTOL
     results = [torch.load(runs / f"{name}.rank{r}.pt") for r in range(spec["world"])]
     seen_params: set[str] = set()
     seen_bias: set[str] = set()
     for r, res in enumerate(results):
         out = res["out"]
         for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
-            assert _rel(out[key], ref[key]) < RTOL, (name, r, key, out[key], ref[key])
+            assert _rel(out[key], ref[key]) < rtol, (name, r, key, out[key], ref[key])
         for step in range(STEPS):
             for layer, bias in out["bias"][step].items():
-                assert _rel(bias, ref["bias"][step][layer]) < RTOL, (name, r, step, layer)
+                assert _rel(bias, ref["bias"][step][layer]) < rtol, (name, r, step, layer)
                 seen_bias.add(layer)
         for pname, value in res["params"].items():
             # norm-relative per parameter: AdamW turns rounding noise of near-zero gradients (tensor and
             # expert parallel sum in another order) into full-size steps of single elements
             want = ref["params"][pname].double()
             err = float((value.double() - want).norm() / want.norm().clamp_min(1e-12))
-            assert err < (RTOL if spec["tp"] == spec["ep"] == 1 else PARAM_RTOL_REORDERED), (name, r, pname, err)
+            assert err < (RTOL if spec["tp"] == spec["ep"] == spec["cp"] == 1 else PARAM_RTOL_REORDERED), \
+                (name, r, pname, err)
             seen_params.add(pname)
     # every parameter and MoE layer of the model lives on some stage
     assert seen_params == set(ref["params"])

@@ -104,28 +104,21 @@ def attention_work(seq: int, cp: int, u: int = 1) -> list[dict[str, int]]:
     return out
 
 
-class _Shard:
-    """Per-forward facts every layer's context-parallel attention needs."""
+class ShardMasks:
+    """The masks of one forward (one micro-batch): the whole sequence's ``attention_mask`` /
+    ``actual_seq_len`` and the exact rows each attention call needs (built once per forward).
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-        self.batch = self.seq = 0
-        self.device: Optional[torch.device] = None
-        self.attention_mask: Optional[torch.Tensor] = None
-        self.actual_seq_len: Optional[torch.Tensor] = None
+    Under pipeline stages it travels in the forward's :class:`AttentionContext` (as its masks), so
+    a layer recomputed in backward, after later micro-batches' forwards, meets its own masks."""
+
+    def __init__(self, size: int, batch: int, seq: int, device, attention_mask, actual_seq_len):
+        self.size, self.batch, self.seq, self.device = size, batch, seq, device
+        self.attention_mask, self.actual_seq_len = attention_mask, actual_seq_len
         self._masks: dict[tuple, Optional[torch.Tensor]] = {}
-        # counted per attention call (tests compare ranks): causal pairs and computed score entries
-        self.work = {"pairs": 0, "scores": 0}
-        self.in_flight_max = 0     # async: exchanges still running while attention computed
 
     @property
     def chunk(self) -> int:
         return self.seq // (2 * self.size)
-
-    def reset(self, batch: int, seq: int, device, attention_mask, actual_seq_len) -> None:
-        self.batch, self.seq, self.device = batch, seq, device
-        self.attention_mask, self.actual_seq_len = attention_mask, actual_seq_len
-        self._masks = {}
 
     def plain(self, window_left: int) -> bool:
         """Plain causal attention: no blocked pairs, documents or window."""
@@ -144,6 +137,22 @@ class _Shard:
                 actual_seq_len=self.actual_seq_len, window_left=window_left, force=True,
                 rows=(lo, hi), keys=keys)
         return self._masks[key]
+
+
+class _Shard:
+    """What every layer's context-parallel attention of one model shares: the cp rank, the masks of
+    the latest forward and the work counters."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.current: Optional[ShardMasks] = None     # the latest forward's (the model's own forward)
+        # counted per attention call (tests compare ranks): causal pairs and computed score entries
+        self.work = {"pairs": 0, "scores": 0}
+        self.in_flight_max = 0     # async: exchanges still running while attention computed
+
+    def reset(self, batch: int, seq: int, device, attention_mask, actual_seq_len) -> ShardMasks:
+        self.current = ShardMasks(self.size, batch, seq, device, attention_mask, actual_seq_len)
+        return self.current
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,38 +185,41 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # ``allowed`` is the model's mask of the local tokens only: the exact rows are built here
+        # ``allowed``: this forward's ShardMasks (pipeline stages put them in the attention
+        # context), else the model's mask of the local tokens only, and the masks are the shard's
+        # latest; the exact rows of the whole sequence are built here
+        masks = allowed if isinstance(allowed, ShardMasks) else self.shard.current
         if self.asynchronous:
-            return self._forward_async(q, k, v)
+            return self._forward_async(q, k, v, masks)
         if self.u > 1:
             q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
-        out = self._attend(q, k, v)
+        out = self._attend(q, k, v, masks)
         if self.u > 1:
             out = self.all_to_all(out, scatter_dim=2, gather_dim=1)
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks) -> torch.Tensor:
         """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks."""
         if self.groups > 1:
             k, v = self.all_gather(k), self.all_gather(v)
         k = _reorder(k, self.key_chunks, self.sorted_keys)
         v = _reorder(v, self.key_chunks, self.sorted_keys)
-        shard, heads = self.shard, q.shape[1]
-        S, c = shard.seq, shard.chunk
+        heads = q.shape[1]
+        S, c = masks.seq, masks.chunk
         if self.groups == 1:   # every position is here: one call over the whole sequence
             q = _reorder(q, self.query_chunks, self.sorted_keys)
-            out = self.inner(q, k, v, shard.mask(0, S, S, self.window_left))
+            out = self.inner(q, k, v, masks.mask(0, S, S, self.window_left))
             self._count(heads, S * (S + 1) // 2, S * S)
             return _reorder(out, self.sorted_keys, self.query_chunks)
         outs = []
         for i, j in enumerate(self.query_chunks):
             lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
             q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
-            if shard.plain(self.window_left) and self._block_causal(q_j):
+            if masks.plain(self.window_left) and self._block_causal(q_j):
                 # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
                 outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
             else:
-                outs.append(self.inner(q_j, k_j, v_j, shard.mask(lo, hi, hi, self.window_left)))
+                outs.append(self.inner(q_j, k_j, v_j, masks.mask(lo, hi, hi, self.window_left)))
             self._count(heads, c * lo + c * (c + 1) // 2, c * hi)
         return torch.cat(outs, dim=2)
 
@@ -221,7 +233,7 @@ class ContextParallelAttention(nn.Module):
         self.shard.work["pairs"] += heads * pairs
         self.shard.work["scores"] += heads * scores
 
-    def _forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks) -> torch.Tensor:
         """Two head groups: group g+1's all-to-alls run while group g's attention computes."""
         group = self.ulysses_group
         parts = 2 if q.shape[1] % (2 * self.u) == 0 else 1
@@ -244,7 +256,7 @@ class ContextParallelAttention(nn.Module):
             in_flight = (len(upcoming[1]) if p + 1 < parts else 0) + len(out_handles)
             self.shard.in_flight_max = max(self.shard.in_flight_max, in_flight)
             qp, kp, vp = (comm.finish_all_to_all_dims(b, 2) for b in blocks)
-            outs.append(comm.start_all_to_all_dims(self._attend(qp, kp, vp), group, 2, out_handles))
+            outs.append(comm.start_all_to_all_dims(self._attend(qp, kp, vp, masks), group, 2, out_handles))
         for h in out_handles:
             h.wait()
         return torch.cat([comm.finish_all_to_all_dims(b, 1) for b in outs], dim=1)
@@ -347,8 +359,11 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     around_forward(model.lm_head, head_before, head_after)   # the fused head's loss (labels given)
     model.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
 
-    def shard_inputs(mod, args, kwargs):
-        call = _bind(mod, args, kwargs)
+    def shard_inputs(call: dict[str, Any]) -> tuple[dict[str, Any], ShardMasks]:
+        """A forward's arguments (by name) → this rank's: ``input_ids``, ``labels``, ``loss_mask``
+        and ``position_ids`` (global positions, ``arange(S)`` when absent) at the zig-zag positions;
+        ``attention_mask`` / ``actual_seq_len`` (whole sequence) taken out into the forward's
+        :class:`ShardMasks`, which is also returned."""
         ids = call["input_ids"]
         B, S = ids.shape
         if S % (2 * size):
@@ -359,18 +374,21 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
         if positions is None:
             positions = torch.arange(S, device=ids.device)
         positions = positions.to(device=ids.device, dtype=torch.long).expand(B, S)
-        shard.reset(B, S, ids.device, call.pop("attention_mask", None), call.pop("actual_seq_len", None))
+        masks = shard.reset(B, S, ids.device, call.pop("attention_mask", None), call.pop("actual_seq_len", None))
         for name in ("input_ids", "labels", "loss_mask"):
             if call.get(name) is not None:
                 call[name] = call[name].index_select(1, index.to(call[name].device))
         call["position_ids"] = positions.index_select(1, index)
-        return call
+        return call, masks
+
+    # pipeline stages (DeepseekV3Stage copies the model's plain attributes) shard their own inputs
+    model.context_parallel_inputs = shard_inputs
 
     def pre(mod, args, kwargs):
-        return (), shard_inputs(mod, args, kwargs)
+        return (), shard_inputs(_bind(mod, args, kwargs))[0]
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-__all__ = ["ContextParallelAttention", "apply_context_parallel", "attention_work", "boundary_shift",
+__all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",
            "rank_chunks", "shard_positions"]

@@ -161,10 +161,6 @@ def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: 
     (MindFormers writes A into ``pipeline_parallel_microbatch_size``)."""
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
-    if getattr(parallelism, "context_parallel", 1) > 1:
-        raise PipelineError(f"parallelism.context_parallel: {parallelism.context_parallel} with pipeline_parallel "
-                            f"{layout.pp} is not implemented yet (the stages do not split the sequence); use "
-                            "context_parallel 1")
     for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
         if getattr(parallelism, key, False):
             raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
@@ -245,11 +241,26 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 actual_seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        cp_masks = None
+        shard_inputs = getattr(self, "context_parallel_inputs", None)
+        if shard_inputs is not None:
+            # context parallel: every stage takes this rank's zig-zag positions of the micro-batch's
+            # tensors (the hidden state between stages is already [B, S/cp, H]); the whole
+            # sequence's masks ride in the attention context (see ShardMasks)
+            call, cp_masks = shard_inputs(dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask,
+                                               position_ids=position_ids, attention_mask=attention_mask,
+                                               actual_seq_len=actual_seq_len))
+            input_ids, labels, loss_mask = call["input_ids"], call.get("labels"), call.get("loss_mask")
+            position_ids, attention_mask, actual_seq_len = call["position_ids"], None, None
+            if self.is_first:
+                x = input_ids
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)
         position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
         ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
+        if cp_masks is not None:
+            ctx.full_mask = ctx.window_mask = cp_masks
         h = self.embed(x, position_ids) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, ctx)
@@ -342,9 +353,6 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
-    if dims.cp > 1:
-        raise PipelineError(f"parallelism.context_parallel: {dims.cp} with pipeline_parallel {dims.pp} is not "
-                            "implemented yet (the stages do not split the sequence); use context_parallel 1")
     if layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1:
         # torch's weight-gradient pass differentiates w.r.t. the registered (sharded) parameters,
         # which FSDP2's all-gathered copies stand in for in the graph: their gradients would be lost
