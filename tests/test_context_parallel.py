@@ -2,8 +2,10 @@
 packed documents (compressed EOD ``actual_seq_len`` and dense ``attention_mask``, positions reset
 per document), sliding-window layers, tensor and expert parallelism, trained 4 steps each, match the
 same training in one plain process (loss, MTP loss, pre-clip grad norm, expert biases within 1e-4
-relative). The layouts of one world size share one ``torch.distributed.run`` launch. The same runs
-count each rank's attention work (zig-zag balance) and the tokens the MoE layers route per rank.
+relative), and the evaluation pass (``lit_moe.evaluation.Evaluation``) after training gives the
+one-process ``val/loss`` within 1e-5. The layouts of one world size share one
+``torch.distributed.run`` launch. The same runs count each rank's attention work (zig-zag balance)
+and the tokens the MoE layers route per rank.
 """
 
 from __future__ import annotations
@@ -86,6 +88,31 @@ def train(model, docs, group=None) -> dict:
     return out
 
 
+EVAL_ITERS, EVAL_BATCH = 2, 2
+
+
+def val_loss(model, docs) -> float:
+    """The evaluation callback's pass (``val/loss``) over fixed samples carrying the layout's
+    document columns, as one data-parallel rank reads them (every layout here has dp = 1)."""
+    from types import SimpleNamespace
+
+    from lit_moe.evaluation import Evaluation
+
+    g = torch.Generator().manual_seed(99)
+    rows = torch.randint(0, model.config.vocab_size, (EVAL_ITERS * EVAL_BATCH, SEQ + 1), generator=g)
+    extra = document_inputs(len(rows), docs)
+    # the loss mask drops the first 6 + 2i labels of sample i: unequal counts on the cp ranks, so
+    # the mean of the ranks' plain shard means would not be the sequence's
+    loss_mask = (torch.arange(SEQ)[None] >= 6 + 2 * torch.arange(len(rows))[:, None]).long()
+    samples = [{"input_ids": r[:-1].numpy(), "labels": r[1:].numpy(), "loss_mask": loss_mask[i].numpy(),
+                **{k: v[i].numpy() for k, v in extra.items()}} for i, r in enumerate(rows)]
+    ev = Evaluation(eval_interval=1, eval_iters=EVAL_ITERS, local_batch_size=EVAL_BATCH)
+    ev.dataset = samples
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                              datamodule=SimpleNamespace(dp_rank=0, dp_size=1))
+    return ev.evaluate(trainer, SimpleNamespace(model=model))
+
+
 def reference(mtp: int, docs) -> dict:
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -93,7 +120,9 @@ def reference(mtp: int, docs) -> dict:
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp, window=docs is not None)))
     model.to_empty(device="cpu")
     model.init_weights(7)
-    return train(model, docs)
+    out = train(model, docs)
+    out["val_loss"] = val_loss(model, docs)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +157,7 @@ def run_layout(name: str) -> dict:
     model.init_weights(7)
 
     result = train(model, spec["docs"], dims.mesh("dp_cp").get_group())
+    result["val_loss"] = val_loss(model, spec["docs"])
     # tokens routed per rank in one forward: each MoE layer sees only this rank's S/cp tokens (× tp gather)
     routed = []
     handles = [m.router.register_forward_pre_hook(lambda mod, a: routed.append(int(a[0].shape[0])))
@@ -184,6 +214,8 @@ def test_layout_matches_single_process(name, results, references):
     for key in ("loss", "mtp_loss", "grad_norm"):
         assert _close(got[key], ref[key]), (name, key, got[key], ref[key])
     assert _close(got["expert_bias"], ref["expert_bias"], abs_=1e-7), name
+    # evaluation under context parallel: the loss-share wrapper makes val/loss the sequence's
+    assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5), (name, got["val_loss"], ref["val_loss"])
     assert ref["loss"][0] != ref["loss"][-1] and min(ref["mtp_loss"]) > 0
     assert any(abs(b) > 0 for layer in ref["expert_bias"][-1] for b in layer)
     # the MoE layers routed this rank's tokens only: S/cp per sample (the tp shards gathered)
