@@ -299,6 +299,9 @@ def build_run(cfg: Any) -> Run:
     model_config = DeepseekV3Config(**model_section)
 
     seq_length = _dataset_seq_length(train_dataset, model_config)
+    from lit_moe.model.config_parsing import check_document_mask_data
+
+    check_document_mask_data(model_config, train_dataset.dataloader, cfg.get("eval_dataset") if training.eval_interval else None)
     dl_config = (train_dataset.dataloader or {}).get("config")
     if isinstance(dl_config, dict) and "vocab_size" not in dl_config:
         # Mock data (no data_path) draws token ids below the model's vocabulary.

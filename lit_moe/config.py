@@ -428,8 +428,9 @@ NO_EFFECT_KEYS: dict[str, str] = {
         "MLA has no key/value head groups (Hugging Face's DeepSeek-V3 configs carry 128 whatever the head "
         "count; MindFormers passes it on as num_query_groups, unused by MLA)",
     "model.use_attn_mask_compression":
-        "chooses the compressed attention-mask input of Ascend's flash-attention kernel; lit_moe builds "
-        "its causal mask inside attention",
+        "selects the compressed causal mask of Ascend's flash-attention kernel (sparse_mode 2: one 2048x2048 "
+        "triangle stands for the causal mask of any length); the mask is the same plain causal one, which "
+        "lit_moe's attention applies exactly either way (document masks are use_eod_attn_mask_compression's)",
     "model.moe_router_fusion":
         "Ascend's fused router kernel; same scores and routing",
     "model.moe_permute_fusion":

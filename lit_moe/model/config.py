@@ -93,6 +93,14 @@ class DeepseekV3Config:
     """True: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels; they
     accumulate the softmax in fp32). False: explicit matmul-softmax-matmul with the softmax computed in
     ``softmax_compute_dtype``."""
+    use_eod_attn_mask_compression: bool = False
+    """MindFormers' compressed EOD mask: attention stays within the documents whose ends the batch's
+    ``actual_seq_len`` column gives (``train_dataset.dataloader.config.create_compressed_eod_mask``),
+    so True needs that column: without it ``lit_moe fit`` stops with one line naming the dataset key
+    (MindFormers fails at the first step: "TND attention requires actual_seq_len"). As in MindFormers'
+    PyNative trainer, data with ``create_compressed_eod_mask: true`` turns it on. (Here the mask is
+    built from ``actual_seq_len`` whenever the batch has it, on every kernel and under context
+    parallel; MindFormers also requires ``use_flash_attention``, which this does not.)"""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities (training only)."""
     hidden_dropout: float = 0.0

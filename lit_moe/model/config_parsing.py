@@ -367,3 +367,39 @@ def check_type(key: str, value: Any, annotation: Any) -> Any:
     else:
         return value
     raise ConfigError(f"model.{key}: expected {annotation.__name__}, got {type(value).__name__} ({value!r})")
+
+
+def check_document_mask_data(model_config: Any, dataloader: Any, eval_dataset: Any = None) -> None:
+    """``model.use_eod_attn_mask_compression`` against the data, as MindFormers' PyNative trainer
+    reads it: ``create_compressed_eod_mask: true`` in ``train_dataset.dataloader.config`` turns the
+    flag on (``_sync_eod_compression_flag``); with the flag on, every batch must carry
+    ``actual_seq_len`` (the document ends the mask is built from): the train data and, when given
+    (evaluation on), the ``eval_dataset`` section. Otherwise one line naming the dataset key."""
+    def provides(loader: Any) -> tuple[bool, str]:
+        loader = loader if isinstance(loader, dict) else {}
+        config = loader.get("config") if isinstance(loader.get("config"), dict) else {}
+        if not config.get("create_compressed_eod_mask", False):
+            return False, "config.create_compressed_eod_mask is false"
+        columns = loader.get("column_names")
+        columns = [columns] if isinstance(columns, str) else columns
+        if columns is not None and "actual_seq_len" not in columns:
+            return False, f"column_names {list(columns)} leaves out 'actual_seq_len'"
+        return True, ""
+
+    train_has, _ = provides(dataloader)
+    if train_has and not model_config.use_eod_attn_mask_compression:
+        object.__setattr__(model_config, "use_eod_attn_mask_compression", True)
+    if not model_config.use_eod_attn_mask_compression:
+        return
+    sections = [("train_dataset", dataloader)]
+    if eval_dataset is not None:
+        section = eval_dataset if isinstance(eval_dataset, dict) else vars(eval_dataset)
+        sections.append(("eval_dataset", section.get("dataloader")))
+    for name, loader in sections:
+        ok, why = provides(loader)
+        if not ok:
+            raise ConfigError(
+                f"model.use_eod_attn_mask_compression: True keeps attention within the documents given by the "
+                f"batch's actual_seq_len, but {name}.dataloader.{why}; set {name}.dataloader.config."
+                "create_compressed_eod_mask: true (with 'actual_seq_len' in column_names), or "
+                "use_eod_attn_mask_compression: false")

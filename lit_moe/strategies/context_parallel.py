@@ -9,7 +9,10 @@ model, and only attention sees the other ranks' tokens.
   (``arange(S)`` when absent, so rotary angles are the global positions) and keeps
   ``attention_mask`` / ``actual_seq_len``, which describe the whole sequence, to build each
   attention call's exact mask rows (causal in global positions, plus sliding window, blocked pairs
-  and document boundaries).
+  and document boundaries). Pipeline stages call the same sharding (``model.context_parallel_inputs``)
+  in their forward, and carry that forward's masks (:class:`ShardMasks`) in the attention context:
+  a schedule runs several micro-batches' forwards before a backward, and a recomputed layer must
+  meet its own micro-batch's masks.
 * **Attention** (``parallelism.context_parallel_method``; each MLA's ``core_attention`` becomes a
   :class:`ContextParallelAttention` around the original):
 
