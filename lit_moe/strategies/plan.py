@@ -319,6 +319,42 @@ def most_loaded_rank(model_config: Any, dims: Any, parallelism: ParallelismConfi
     return per_stage[r], f"pipeline rank {r}"
 
 
+def _in_forked_child(fn: Any, args: tuple, timeout_s: float = 900.0) -> Any:
+    """``fn(*args)`` in a forked child process (nothing it does reaches this process's state); its
+    exception is raised here. None when this platform cannot fork, a process group already exists
+    here (the child would share it), or the child gives no answer within ``timeout_s``."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods() or (dist.is_available() and dist.is_initialized()):
+        return None
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", fn(*args)))
+        except BaseException as err:  # handed to the parent, which raises it
+            send.send(("error", err))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            return None
+        kind, value = receive.recv()
+    except EOFError:  # the child died without an answer
+        return None
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if kind == "error":
+        raise value
+    return value
+
+
 def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any,
                recompute_comm: Any, optimizer_section: Optional[dict], accelerator: str,
                local_processes: int, memory: Optional[tuple[int, str]] = None) -> None:
@@ -329,21 +365,29 @@ def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, rec
     that all ranks refuse together (none is left waiting for the others). Activations are not
     counted. ``memory``: ``(bytes, description)`` instead of :func:`device_memory`.
 
-    Several ranks need the fake process group before the real one exists; if a process group is
-    already initialised (a caller that set one up itself), the check falls back to the whole model's
-    bytes divided by the ranks, a lower bound of the most loaded rank's share."""
+    Several ranks need a fake process group, which must not touch the process that trains: torch
+    keeps DTensor sharding results in process-wide caches that compare meshes without their rank,
+    so a real mesh built afterwards would be handed the fake rank-0 mesh (every rank would then
+    hold, and save, rank 0's offsets). The several-rank computation therefore runs in a forked
+    child process. Where fork is missing, or a process group is already initialised in this
+    process, the check falls back to the whole model's bytes divided by the ranks, a lower bound
+    of the most loaded rank's share."""
     from lit_moe.strategies.parallel_dims import ParallelDims
 
-    if dims.world_size > 1 and dist.is_available() and dist.is_initialized():
-        whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism,
-                               optimizer_section=optimizer_section)
-        need, who, exact = state_bytes(whole, parallelism) // dims.world_size, "each rank", False
+    plan_dims = ParallelDims(world_size=dims.world_size, dp_shard=parallelism.data_parallel_shard,
+                             tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep)
+    args = (model_config, plan_dims, parallelism, recompute, recompute_comm, optimizer_section)
+    exact = True
+    if dims.world_size == 1:
+        need, who = most_loaded_rank(*args)
     else:
-        plan_dims = ParallelDims(world_size=dims.world_size, dp_shard=parallelism.data_parallel_shard,
-                                 tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep)
-        need, who = most_loaded_rank(model_config, plan_dims, parallelism, recompute, recompute_comm,
-                                     optimizer_section)
-        exact = True
+        answer = _in_forked_child(most_loaded_rank, args)
+        if answer is not None:
+            need, who = answer
+        else:
+            whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism,
+                                   optimizer_section=optimizer_section)
+            need, who, exact = state_bytes(whole, parallelism) // dims.world_size, "each rank", False
     have, what = memory if memory is not None else device_memory(accelerator, local_processes)
     if need > have:
         needs = ("needs" if exact else "needs at least")
