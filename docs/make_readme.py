@@ -127,10 +127,11 @@ def render() -> str:
            "fixed section with its defaults, only the `trainer` keys you set): loaded again it is the same "
            "run. Before anything is allocated, `fit` compares each rank's parameters, gradients and optimizer "
            "state with one device's memory (on a CPU: the available RAM shared by this machine's processes) "
-           "and refuses, in one line with both numbers, a model that cannot fit. On one rank the bytes are "
-           "exactly those `lit_moe plan` prints; on several, the whole model's bytes divided by the ranks (a "
-           "lower bound of every rank's share, so the refusal is never wrong; `lit_moe plan` gives the exact "
-           "per-rank numbers).", "",
+           "and refuses, in one line with both numbers and what would make it fit, a model that cannot fit. The "
+           "bytes are exactly those of `lit_moe plan`: the local shards of the rank that holds the most under "
+           "the run's layout (FSDP/HSDP, tensor, expert and context parallel; with pipeline stages, the "
+           "pipeline rank whose stages hold the most), worked out on the meta device, so every rank refuses "
+           "together. Activations are not counted.", "",
            "Top-level keys besides the sections: `callbacks` (user callbacks), `gradient_accumulation_steps` "
            "(graph mode's option, translated into `training.global_batch_size`), MindFormers' `lora_config` "
            "and `eval_dataset` (parsed; a non-null value is refused: not implemented yet) and "

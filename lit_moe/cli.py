@@ -401,7 +401,7 @@ def build_run(cfg: Any) -> Run:
     evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
         builtin.insert(len(builtin) - 1, evaluation)
-    ckpt_cb = build_checkpoint_callback(checkpoint)
+    ckpt_cb = build_checkpoint_callback(checkpoint, training.global_batch_size)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
     builtin.extend(start.callbacks)  # after the checkpoint callback: preemption relies on its final save

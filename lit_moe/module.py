@@ -235,7 +235,7 @@ class LitMoE(LightningModule):
         With ``gradient_sync_every_microbatch: False`` gradients are reduced only after the last."""
         A = self.accumulation_steps
         strategy = self.step_strategy
-        pipeline = getattr(strategy, "pipeline", None)
+        pipeline = strategy.pipeline
         if pipeline is not None:  # a pipeline schedule runs all micro-batches through every stage
             record = pipeline.forward_backward_record(micro_batches)
             self._loss_sum, self._micro_losses, self._moe_aux_sum = record.losses, record.micro_losses, record.moe_aux

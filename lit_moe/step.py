@@ -10,14 +10,16 @@ step; nobody writes into it. Two kinds of callbacks take part in the step itself
 * a :class:`StepGuard` may veto the update (``should_skip``); every guard is asked, in callback order.
 
 The module talks to the strategy through :class:`StepStrategy` only (``AscendFSDPStrategy``
-implements it, for one process too).
+derives from it, for one process too); the checkpoint callback uses it too.
 
 This module is the bottom of the package: it imports nothing from ``lit_moe``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional, Protocol
 
 import torch
@@ -106,29 +108,65 @@ class StepGuard(Callback):
         raise NotImplementedError
 
 
-class StepStrategy(Protocol):
-    """What ``LitMoE`` needs from the strategy (``AscendFSDPStrategy`` implements it)."""
+class PipelineStep(Protocol):
+    """What the step calls on a pipeline schedule (``lit_moe.strategies.pipeline.PipelineParallel``;
+    a typing aid only, never checked at run time)."""
 
-    root_device: torch.device
+    def forward_backward_record(self, micro_batches: list) -> Any:
+        """Run the step's micro-batches through every stage; return the losses as the step keeps them."""
 
+
+class StepStrategy(ABC):
+    """What ``LitMoE`` and lit_moe's callbacks need from the strategy. ``AscendFSDPStrategy``
+    derives from it (one process too). A nominal base class, not a structural protocol: code that
+    also runs under other strategies (the checkpoint callback under a user's plain Lightning
+    strategy) asks ``isinstance(strategy, StepStrategy)`` and then uses these members, typed,
+    instead of probing attributes; a subclass that misses one cannot be instantiated."""
+
+    pipeline: Optional[PipelineStep] = None
+    """The pipeline schedule with ``pipeline_parallel > 1`` (it runs all micro-batches of a step
+    through every stage); None: the module runs the micro-batches itself."""
+
+    @property
+    @abstractmethod
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+
+    @abstractmethod
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the parallel layout to the (meta-device) model."""
 
+    @abstractmethod
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients after the coming backward (``enabled``) or keep accumulating them."""
 
+    @abstractmethod
     def grad_norm(self, parameters: list[torch.Tensor]) -> torch.Tensor:
         """Global fp32 L2 norm of the gradients over every mesh, each value counted once."""
 
+    @abstractmethod
     def clip_grads_with_norm_(self, parameters: list[torch.Tensor], max_norm: float,
                               total_norm: torch.Tensor) -> None:
         """Scale the gradients in place so that their norm ``total_norm`` is at most ``max_norm``."""
 
     @property
+    @abstractmethod
     def expert_count_group(self) -> Optional[dist.ProcessGroup]:
         """Ranks over which MoE token counts are summed (data × context parallel); None: one process."""
 
     @property
+    @abstractmethod
     def batch_replicas(self) -> int:
         """How many ranks receive each sample (tensor × context parallel): the global token count
         is the sum over ranks divided by this."""
+
+    @abstractmethod
+    def parallel_degrees(self) -> dict[str, int]:
+        """The layout's degrees by name (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``ep``,
+        ``pp``), as the checkpoint's ``common.json`` records them."""
+
+    @property
+    @abstractmethod
+    def collective_timeout(self) -> Optional[timedelta]:
+        """How long a rank waits for the others in a collective (the run's process-group timeout;
+        the checkpoint's own gloo group uses it too, so that a dead rank ends a save with an error)."""

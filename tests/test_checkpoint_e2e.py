@@ -55,11 +55,13 @@ def _helpers():
     return helpers
 
 
-def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict, **model) -> Path:
+def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict, dataloader: dict | None = None,
+            **model) -> Path:
     h = _helpers()
     cfg = h.tiny_config(tmp_path, steps=steps)
     cfg["training"]["deterministic"] = True
     cfg["model"].update(compute_dtype="float32", **model)
+    cfg["train_dataset"]["dataloader"].update(dataloader or {})
     cfg["train_dataset"]["dataloader"]["config"]["vocab_size"] = cfg["model"]["vocab_size"]
     cfg["train_dataset"]["dataloader"]["sizes"] = [steps * 4 * 4, 0, 0]
     cfg["checkpoint"] = {**cfg["checkpoint"], "enable_save": False, **checkpoint}
@@ -80,16 +82,19 @@ def _probe(path: Path) -> dict[int, dict]:
 
 
 def test_exact_resume_through_the_cli(tmp_path):
+    """With attention dropout (random draws every micro-batch) and the torch DataLoader (whose iterator,
+    built after the RNG state is restored, must not draw from the global generator)."""
     straight_probe, first_probe, second_probe = (tmp_path / f"{n}.jsonl" for n in ("straight", "first", "second"))
     save = tmp_path / "ckpt"
-    _fit(tmp_path, _config(tmp_path, "straight.yaml", straight_probe, 8, {}))
+    random_draws = {"dataloader": {"python_multiprocessing": True}, "attention_dropout": 0.1}
+    _fit(tmp_path, _config(tmp_path, "straight.yaml", straight_probe, 8, {}, **random_draws))
     _fit(tmp_path, _config(tmp_path, "first.yaml", first_probe, 8, {"enable_save": True, "save_path": str(save),
-                                                                     "save_interleaved_steps": 100}),
+                                                                     "save_interleaved_steps": 100}, **random_draws),
          "--trainer.max_steps", "4")
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     _fit(tmp_path, _config(tmp_path, "second.yaml", second_probe, 8, {"enable_save": True, "save_path": str(save),
                                                                        "save_interleaved_steps": 100,
-                                                                       "load_path": str(save)}))
+                                                                       "load_path": str(save)}, **random_draws))
     straight, first, second = _probe(straight_probe), _probe(first_probe), _probe(second_probe)
     assert sorted(straight) == list(range(1, 9)) and sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
     resumed = {**first, **second}
@@ -136,6 +141,10 @@ def _dp2_run(tmp_path_factory) -> Path:
                          {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3})
         _fit(base, config, "--trainer.devices", "2")
         assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4, 5]
+        # MindFormers' run facts in common.json, from the strategy's declared degrees and the config
+        common = json.loads((base / "ckpt" / "iteration_00000003" / "common.json").read_text())
+        assert common["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1, "pp": 1}
+        assert (common["global_batch_size"], common["consumed_samples"]) == (4, 3 * 4)
         _DP2["path"] = base
     return _DP2["path"]
 

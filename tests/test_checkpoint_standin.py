@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-weights", default="", help="after fit: write the full weights here (rank 0)")
     ap.add_argument("--eval-loss", action="store_true", help="after fit: print the loss of a fixed batch")
     ap.add_argument("--raise-at", type=int, default=0, help="training_step raises at this optimizer step")
+    ap.add_argument("--global-rng-loader", action="store_true",
+                    help="a DataLoader without its own generator (its iterator draws from the global one)")
     ap.add_argument("--scenario", default="")
     ap.add_argument("--root", default="")
     return ap
@@ -139,7 +141,10 @@ def fit(argv: list[str]) -> list[dict]:
 
         def train_dataloader(self):
             rank = self.trainer.global_rank if args.strategy == "fsdp" else 0
-            return DataLoader(Data(), batch_size=MICRO, sampler=FromOffset(self.consumed, rank))
+            # Its own generator, as lit_moe's loaders: creating the iterator (after the resume restored
+            # the RNG state) must not draw from the global generator that dropout uses.
+            generator = None if args.global_rng_loader else torch.Generator().manual_seed(0)
+            return DataLoader(Data(), batch_size=MICRO, sampler=FromOffset(self.consumed, rank), generator=generator)
 
         def state_dict(self):
             return {"consumed": self.trainer.global_step * GBS}
@@ -353,6 +358,12 @@ def test_exact_resume(tmp_path):
             assert straight[step][key] == resumed[step][key], (step, key, straight[step][key], resumed[step][key])
     assert len({straight[s]["lr"] for s in straight}) == 8  # the schedule really moves
     assert tracker(tmp_path / "b") == "8"
+    # The RNG state is restored in on_load_checkpoint, before Lightning builds the data iterator: a
+    # loader that draws its base seed from the global generator shifts the draws, and says so.
+    with pytest.warns(UserWarning, match="drew from the global random generators between restoring"):
+        shifted = by_step(run_here("--load-path", str(tmp_path / "b" / "iteration_00000004"), "--max-steps", "5",
+                                   "--interval", "100", "--global-rng-loader")[0])
+    assert shifted[5]["rand"] != straight[5]["rand"] and shifted[5]["samples"] == straight[5]["samples"]
     # without the restored state the continuation differs: the comparison above can fail
     fresh = by_step(run_here("--load-path", str(tmp_path / "a" / "iteration_00000004"), "--no-load-optim",
                              "--max-steps", "1")[0])

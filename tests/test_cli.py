@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 import yaml
 
 from helpers import ROOT, run_cli, tiny_config, write_config
@@ -393,6 +394,28 @@ def test_model_that_cannot_fit_is_refused_before_allocation(tmp_path, capsys):
     assert need > have
     # 2e9 * 64 (embedding) + 2e9 * 64 (head) parameters, 16 bytes each
     assert need == pytest.approx(2 * 2e9 * 64 * 16 / 1024 ** 3, rel=0.01)
+
+
+def test_multi_rank_fit_is_refused_on_the_exact_bytes_of_its_most_loaded_rank(tmp_path, capsys, monkeypatch):
+    """``fit --trainer.devices 4`` with HSDP (2 replicas × 2 shards): each rank holds half the model, twice
+    the old lower bound (whole ÷ 4). With RAM for a share between the two, fit refuses before starting
+    any process, naming both numbers (the RAM source is the one function fit asks, replaced here)."""
+    import lit_moe.strategies.plan as plan_mod
+    from test_plan import _hand_state_bytes
+
+    cfg = _set(_set(tiny_config(tmp_path), "parallelism.data_parallel_shard", 2), "training.global_batch_size", 8)
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        plain = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg["model"]))
+    shapes = {n: tuple(p.shape) for n, p in plain.named_parameters()}
+    exact = _hand_state_bytes(shapes, shapes, fsdp=2, efsdp=2)
+    lower = _hand_state_bytes(shapes, shapes) // 4
+    share = (lower + exact) // 2
+    monkeypatch.setattr(plan_mod, "_available_ram", lambda: 4 * share)   # 4 processes on this machine
+    line = _fit_error(tmp_path, capsys, cfg, "--trainer.devices", "4")
+    assert f"rank 0 of 4 needs {plan_mod._fmt_bytes(exact)}" in line, line
+    assert f"has {plan_mod._fmt_bytes(share)} (available RAM / 4 processes)" in line, line
 
 
 def test_help_lists_every_subcommand(capsys):

@@ -277,3 +277,24 @@ def test_numa_lookup_and_worker_binding(prefix, tmp_path, monkeypatch):
     workers, init, bound = module(cfg)._worker_setup()
     assert bound == {allowed[0]}
     assert _affinity_after_init(init) == [allowed[0]]
+
+
+def test_torch_loader_iterators_leave_the_global_generators_alone(prefix):
+    """python_multiprocessing: true uses a torch DataLoader; creating its iterator draws the workers'
+    base seed, from the loader's own generator. A resume restores the RNG state before Lightning
+    builds the iterator, so a draw from the global generator would shift dropout after a resume."""
+    import random
+
+    loader = module(train_config(prefix, multiprocessing=True)).train_dataloader()
+    assert loader.generator is not None
+    torch.manual_seed(5)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    for _ in range(2):
+        next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+    # the check can fail: a loader without its own generator does draw from the global one
+    from torch.utils.data import DataLoader
+
+    iter(DataLoader(loader.dataset, batch_size=2, sampler=loader.sampler, collate_fn=loader.collate_fn))
+    assert not torch.equal(torch.get_rng_state(), before[0])

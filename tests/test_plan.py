@@ -159,3 +159,76 @@ def test_plan_takes_the_same_dotted_overrides_as_fit(tmp_path, capsys):
     assert main(["--config", path, "--world-size", "8", "--parallelism.expert_paralel", "2"]) == 2
     err = capsys.readouterr().err
     assert "expert_paralel" in err and "did you mean 'expert_parallel'" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# fit's "does not fit" check: the exact bytes of the most loaded rank (issue 13, point 6)
+# ------------------------------------------------------------------------------------------------
+def _hand_state_bytes(shapes: dict, names, fsdp: int = 1, ep: int = 1, efsdp: int = 1) -> int:
+    """fp32 weights + fp32 gradients + two fp32 AdamW moments = 16 bytes per local value. FSDP splits
+    dim 0 as torch.chunk does (the first rank gets the ceiling) over ``fsdp`` ranks; the routed experts
+    are split over ``ep`` ranks, then their FSDP over ``efsdp`` = dp_shard·cp·tp / ep ranks."""
+    total = 0
+    for name in names:
+        shape = shapes[name]
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        if ".experts." in name:
+            total += -(-(shape[0] // ep) // efsdp) * rest
+        else:
+            total += -(-shape[0] // fsdp) * rest
+    return 16 * total
+
+
+def test_fit_memory_check_uses_the_exact_bytes_of_the_most_loaded_rank(tmp_path):
+    """The per-rank bytes ``fit`` compares with the device memory are the exact ones of the rank that
+    holds the most (hand-computed from the one-process model's shapes for FSDP, HSDP, expert and
+    pipeline parallel); a limit between the old lower bound (whole model ÷ world) and those bytes is
+    now refused, in one line with both numbers and what would make it fit."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import tiny_config
+
+    from lit_moe.config import ConfigError, ParallelismConfig
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies.parallel_dims import ParallelDims
+    from lit_moe.strategies.plan import _fmt_bytes, check_fits, most_loaded_rank
+
+    model_config = DeepseekV3Config(**tiny_config(tmp_path)["model"])
+    with torch.device("meta"):
+        plain = DeepseekV3ForCausalLM(model_config)
+    shapes = {n: tuple(p.shape) for n, p in plain.named_parameters()}
+    assert model_config.num_hidden_layers == 2 and model_config.num_nextn_predict_layers == 1
+    whole = _hand_state_bytes(shapes, shapes)
+    stage0 = [n for n in shapes if n.startswith(("embed_tokens.", "layers.0."))]
+    stage1 = [n for n in shapes if not n.startswith(("embed_tokens.", "layers.0."))] + ["embed_tokens.weight"]
+    cases = [  # (world, parallelism, expected bytes, which rank)
+        (4, {}, _hand_state_bytes(shapes, shapes, fsdp=4, efsdp=4), "rank 0"),
+        (4, {"data_parallel_shard": 2}, _hand_state_bytes(shapes, shapes, fsdp=2, efsdp=2), "rank 0"),  # HSDP 2×2
+        (2, {"expert_parallel": 2}, _hand_state_bytes(shapes, shapes, fsdp=2, ep=2), "rank 0"),
+        # MindFormers' stages: layer 0 + embedding; layer 1, norm, head, MTP + the MTP embedding copy
+        (2, {"pipeline_parallel": 2}, max(_hand_state_bytes(shapes, stage0), _hand_state_bytes(shapes, stage1)),
+         "pipeline rank 1"),
+    ]
+    refused_only_now = 0
+    for world, keys, want, who in cases:
+        parallelism = ParallelismConfig(**keys)
+        dims = ParallelDims(world_size=world, dp_shard=parallelism.data_parallel_shard, tp=parallelism.tensor_parallel,
+                            cp=parallelism.context_parallel, pp=parallelism.pipeline_parallel,
+                            ep=parallelism.expert_parallel)
+        assert most_loaded_rank(model_config, dims, parallelism) == (want, who), keys
+        lower = whole // world
+        assert want >= lower
+        limit = (lower + want) // 2 if want > lower else want - 1
+        refused_only_now += want > lower
+        with pytest.raises(ConfigError) as err:
+            check_fits(model_config, dims, parallelism, None, None, None, "cpu", 1, memory=(limit, "test limit"))
+        line = str(err.value)
+        assert "\n" not in line
+        assert f"{who} of {world} needs {_fmt_bytes(want)}" in line and f"has {_fmt_bytes(limit)} (test limit)" in line
+        for remedy in ("more ranks", "recompute", "training.local_batch_size"):
+            assert remedy in line
+        check_fits(model_config, dims, parallelism, None, None, None, "cpu", 1, memory=(want, "test limit"))
+    assert refused_only_now == 2       # HSDP and the pipeline: the old lower bound let them through

@@ -53,10 +53,46 @@ def model_tensors(iteration: Path) -> dict:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full")
-    path = write_config(tmp, config(tmp))
-    proc = run_cli(["fit", "--config", str(path)], cwd=tmp, timeout=400)
+    cfg = config(tmp)
+    # Weights & Biases in offline mode beside the CSV logger (no network: it writes a .wandb file)
+    cfg["trainer"]["logger"].append({"class_path": "lightning.pytorch.loggers.WandbLogger",
+                                     "init_args": {"save_dir": str(tmp / "wandb"), "project": "lit_moe",
+                                                   "offline": True}})
+    path = write_config(tmp, cfg)
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "WANDB_SILENT": "true"}
+    (tmp / "wandb").mkdir()
+    proc = run_cli(["fit", "--config", str(path)], cwd=tmp, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp, proc
+
+
+def wandb_records(path: Path):
+    """The records of an offline W&B run file (``run-*.wandb``): W&B's LevelDB-style log (a 7-byte
+    header ``:W&B`` + magic + version, then 32 KiB blocks of chunks, each with a 7-byte header: CRC,
+    length, type 1 full / 2 first / 3 middle / 4 last) of ``wandb_internal.Record`` protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:   # a block's tail too short for a chunk header is padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
 
 
 def test_console_without_a_terminal(full_run):
@@ -85,6 +121,36 @@ def test_csv_logger_beside_tensorboard_and_hparams(full_run):
     runs = sorted((tmp / "tb" / "lit_moe").iterdir())
     assert [r.name for r in runs] == ["version_0"] and list(runs[0].glob("events.out.tfevents.*"))
     assert (runs[0] / "hparams.yaml").is_file()
+
+
+def test_wandb_logger_offline_gets_the_csv_loggers_metrics(full_run):
+    """``trainer.logger`` with ``WandbLogger`` (offline, ``WANDB_DIR`` in the run's directory): its run
+    file holds, at every step, the metric names and values the CSV logger wrote, and the
+    hyperparameters."""
+    import json
+
+    tmp, _ = full_run
+    rows = {int(r["step"]): r for r in csv.DictReader(open(tmp / "csv" / "run" / "version_0" / "metrics.csv"))}
+    files = list((tmp / "wandb").rglob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    history: dict[int, dict] = {}
+    config_keys: dict[str, object] = {}
+    for record in wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = items.pop("trainer/global_step")
+            history.setdefault(step, {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+        elif kind == "config":
+            config_keys.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.config.update})
+    assert sorted(history) == sorted(rows) == [1, 2, 3, 4]
+    for step, row in rows.items():
+        logged = {k: float(v) for k, v in row.items() if k not in ("step", "epoch") and v != ""}
+        assert set(history[step]) - {"epoch"} == set(logged), (step, sorted(history[step]), sorted(logged))
+        for name, value in logged.items():
+            assert history[step][name] == pytest.approx(value, rel=1e-6), (step, name)
+    assert "val/loss" in history[2] and "val/loss" not in history[3] and "train/loss" in history[3]
+    assert config_keys.get("training/eval_interval") == 2 and config_keys.get("lora_config/lora_rank") == 4
 
 
 def test_lora_run_with_evaluation_resumes_exactly(full_run, tmp_path):

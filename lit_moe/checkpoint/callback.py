@@ -8,8 +8,16 @@ training) waits for the previous one first.
 
 Resuming from such a directory (``trainer.fit(ckpt_path=iteration_dir)``) is the strategy's job
 (:class:`lit_moe.checkpoint.resume.IterationResume`); the checkpoint dict it returns carries this
-rank's RNG state, which this callback takes in ``on_load_checkpoint`` and puts back when training
-starts.
+rank's RNG state, which this callback restores in ``on_load_checkpoint``.
+
+Exact resume of random draws (dropout) then needs that nothing draws from the global generators
+between the restore and the first step. Lightning builds the training data iterator in between, and
+a ``torch.utils.data.DataLoader`` iterator draws its workers' base seed from the loader's
+``generator``, or from the global generator when it has none: lit_moe's loaders have their own
+(``MegatronDataLoader``; the threaded loader draws nothing). ``on_train_start`` checks that the
+generators are still where the checkpoint left them and warns, in one line, when a draw came in
+between (e.g. a user's DataLoader without a ``generator``): the run goes on, but its random draws
+no longer repeat the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +48,7 @@ from lit_moe.checkpoint.layout import iteration_name, read_tracker
 from lit_moe.checkpoint.resume import RNG_STATE
 from lit_moe.checkpoint.sharded import assign_writers, pieces_of, stage
 from lit_moe.config import CheckpointConfig, ConfigError
+from lit_moe.step import StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +73,10 @@ def check_save_config(cfg: CheckpointConfig) -> None:
 class IterationCheckpoint(Callback):
     """Save (and resume from) MindFormers-style iteration directories. See the module docstring."""
 
-    def __init__(self, cfg: CheckpointConfig) -> None:
+    def __init__(self, cfg: CheckpointConfig, global_batch_size: Optional[int] = None) -> None:
         check_save_config(cfg)
         self.cfg = cfg
+        self.global_batch_size = global_batch_size  # for common.json's consumed_samples (None: not recorded)
         self.save_path = Path(cfg.save_path) if cfg.save_path else None
         self._comm: Optional[Comm] = None
         self._saved_this_run: list[int] = []
@@ -73,27 +84,32 @@ class IterationCheckpoint(Callback):
         self._failed = False
         self._thread: Optional[threading.Thread] = None
         self._thread_error: Optional[BaseException] = None
-        self._rng_to_restore: Optional[dict] = None  # from the resumed checkpoint, applied at train start
+        self._restored_rng: Optional[str] = None  # the generators as restored (checked at train start)
 
     # ------------------------------------------------------------------------------------------
     # hooks
     # ------------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self.cfg.enable_save and self._comm is None:
-            # collective: every rank runs setup; ModelParallelStrategy keeps the run's timeout in _timeout
-            self._comm = Comm.create(getattr(trainer.strategy, "_timeout", None))
+            # collective: every rank runs setup
+            strategy = trainer.strategy
+            self._comm = Comm.create(strategy.collective_timeout if isinstance(strategy, StepStrategy) else None)
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
-        self._rng_to_restore = checkpoint.get(RNG_STATE)
+        state = checkpoint.get(RNG_STATE)  # None: written by another number of ranks (nothing to restore)
+        if state is not None:
+            set_rng_state(state)
+            self._restored_rng = safejson.dumps(rng_state())
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._rng_to_restore is not None:
-            # Not in on_load_checkpoint: Lightning creates the data iterator after restoring, and a
-            # DataLoader iterator draws its base seed from the global generator. Applied here, the
-            # next step sees exactly the generator state of the step that was saved.
-            set_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        if self._restored_rng is not None:
+            if safejson.dumps(rng_state()) != self._restored_rng:
+                warnings.warn(
+                    "lit_moe: something drew from the global random generators between restoring the "
+                    "checkpoint and the first step (a DataLoader without its own `generator`?): the resumed "
+                    "run's random draws (dropout) will not repeat the uninterrupted run's", stacklevel=2)
+            self._restored_rng = None
         step = trainer.global_step
         if self.cfg.enable_save and step > 0 and (self.save_path / iteration_name(step)).is_dir():
             self._last_saved = step  # resumed from this very directory: no duplicate final save
@@ -170,7 +186,7 @@ class IterationCheckpoint(Callback):
         common = None
         if comm.rank == 0:
             common = make_common(step, comm.world, cfg.prefix, optim is not None, trainer_state=dumped,
-                                 optimizers=groups, extra=self._run_facts(trainer, module))
+                                 optimizers=groups, extra=self._run_facts(trainer))
         job = SaveJob(self.save_path, step, cfg.prefix, model, optim, optim_extra,
                       rng_json=safejson.dumps(rng_state()), common=common,
                       on_committed=self._prune if comm.rank == 0 else None)
@@ -201,27 +217,24 @@ class IterationCheckpoint(Callback):
             if oldest != current:
                 shutil.rmtree(self.save_path / iteration_name(oldest), ignore_errors=True)
 
-    @staticmethod
-    def _run_facts(trainer: "pl.Trainer", module: Any) -> dict:
+    def _run_facts(self, trainer: "pl.Trainer") -> dict:
         """MindFormers' common.json facts (informative; resume uses the Lightning state)."""
         facts: dict[str, Any] = {"epoch_num": trainer.current_epoch}
-        training = getattr(module, "training_config", None)
-        gbs = getattr(training, "global_batch_size", None)
-        if gbs is not None:
-            facts["global_batch_size"] = int(gbs)
-            facts["consumed_samples"] = trainer.global_step * int(gbs)
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        if dims is not None:
-            facts["layout"] = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp")
-                               if isinstance(getattr(dims, k, None), int)}
+        if self.global_batch_size is not None:
+            facts["global_batch_size"] = int(self.global_batch_size)
+            facts["consumed_samples"] = trainer.global_step * int(self.global_batch_size)
+        if isinstance(trainer.strategy, StepStrategy):
+            facts["layout"] = trainer.strategy.parallel_degrees()
         return facts
 
 
-def build_checkpoint_callback(cfg: CheckpointConfig) -> Optional[IterationCheckpoint]:
-    """The checkpoint callback of a run, or None when it neither saves nor resumes."""
+def build_checkpoint_callback(cfg: CheckpointConfig, global_batch_size: Optional[int] = None
+                              ) -> Optional[IterationCheckpoint]:
+    """The checkpoint callback of a run, or None when it neither saves nor resumes.
+    ``global_batch_size`` (``training.global_batch_size``): recorded with ``consumed_samples``."""
     if not cfg.enable_save and not cfg.load_path:
         return None
-    return IterationCheckpoint(cfg)
+    return IterationCheckpoint(cfg, global_batch_size)
 
 
 def _all_ranks_param_groups(per_rank: list[list[list[dict]]]) -> list[list[dict]]:

@@ -130,7 +130,8 @@ class _Resumable:
 
 
 class MegatronDataLoader(_Resumable, DataLoader):
-    """``python_multiprocessing: true``: a torch DataLoader with worker processes."""
+    """``python_multiprocessing: true``: a torch DataLoader with worker processes and its own
+    ``generator`` (creating an iterator never draws from the global random generators)."""
 
 
 class ThreadedLoader(_Resumable):
@@ -353,4 +354,9 @@ class MegatronDataModule(LightningDataModule):
         return MegatronDataLoader(
             train, batch_size=self.local_batch_size, sampler=sampler, drop_last=self.train_config.drop_remainder,
             num_workers=workers, collate_fn=collate_samples, worker_init_fn=init if workers else None,
-            prefetch_factor=prefetch if workers else None, persistent_workers=False, pin_memory=False)
+            prefetch_factor=prefetch if workers else None, persistent_workers=False, pin_memory=False,
+            # Its own generator: creating an iterator draws the workers' base seed, and from the global
+            # generator a loader without one would shift the run's random draws (dropout) whenever an
+            # iterator is created, e.g. right after a resume restored them. The value it draws is
+            # overridden in every worker by _WorkerInit.
+            generator=torch.Generator().manual_seed(self.seed % (1 << 63)))

@@ -411,18 +411,26 @@ def bubble_fraction(layout: PipelineLayout, A: int) -> float:
     return idle / (A + idle)
 
 
+def parameters_of_ranks(layout: PipelineLayout, names: Any, num_layers: int, has_mtp: bool) -> list[set[str]]:
+    """The full-model parameter names each pipeline rank holds (its stages' parameters; with MTP
+    the embedding is on the first and the last stage)."""
+    held: list[set[str]] = [set() for _ in range(layout.pp)]
+    for name in names:
+        stages = stage_of_parameter(name, layout, num_layers)
+        if has_mtp and name.startswith(("embed_tokens.", "position_embeddings.")):
+            stages = sorted({0, layout.num_stages - 1})
+        for r in {layout.rank_of(s) for s in stages}:
+            held[r].add(name)
+    return held
+
+
 def plan_stages(layout: PipelineLayout, local_bytes: dict[str, int], num_layers: int, has_mtp: bool,
                 A: int) -> list[str]:
     """``lit_moe plan`` lines for a pipeline: per rank, the bytes of the parameters its stages hold
     (``local_bytes``: parameter name → this layout's local shard bytes), in-flight micro-batches and
     the bubble fraction of the schedule."""
-    per_rank = [0] * layout.pp
-    for name, n in local_bytes.items():
-        stages = stage_of_parameter(name, layout, num_layers)
-        if has_mtp and name.startswith(("embed_tokens.", "position_embeddings.")):
-            stages = sorted({0, layout.num_stages - 1})
-        for r in sorted({layout.rank_of(s) for s in stages}):
-            per_rank[r] += n
+    held = parameters_of_ranks(layout, local_bytes, num_layers, has_mtp)
+    per_rank = [sum(local_bytes[n] for n in names) for names in held]
     lines = layout.describe()
     for r in range(layout.pp):
         lines.append(f"  pipeline rank {r}: stages {layout.stages_of(r)}, parameters {per_rank[r]} bytes per rank, "

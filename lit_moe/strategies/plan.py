@@ -59,9 +59,11 @@ def _init_fake_world(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None) -> dict[str, int]:
+def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None,
+                names: Optional[set[str]] = None) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients (sharded, fp32), optimizer state, and the
-    unsharded gradients kept during accumulation without per-micro-batch sync."""
+    unsharded gradients kept during accumulation without per-micro-batch sync. ``names``: only
+    these parameters (a pipeline rank's stages)."""
     from torch.distributed.tensor import DTensor
 
     from lit_moe.optim import uses_muon, validate_optimizer_section
@@ -71,6 +73,8 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
     out = {"params": 0, "grads": 0, "optimizer": 0, "unsharded_grads": 0, "params_numel": 0}
     fsdp_sizes = _fsdp_shard_sizes(model)
     for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
         local = p._local_tensor if isinstance(p, DTensor) else p
         n = local.numel()
         out["params_numel"] += n
@@ -220,7 +224,9 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,
                    recompute_comm: Any = None, optimizer_section: Optional[dict] = None) -> dict[str, int]:
     """:func:`local_bytes` of rank 0 of the run: the model is built on the meta device and, with more
-    than one rank, parallelized on a fake process group exactly as the run would do it."""
+    than one rank, parallelized on a fake process group exactly as the run would do it. With
+    pipeline stages, ``pipeline_ranks`` holds :func:`local_bytes` of each pipeline rank's stages
+    (the numbers above are of the whole model's layers under this layout)."""
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.strategies.parallelize import parallelize
 
@@ -235,7 +241,15 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
             model = DeepseekV3ForCausalLM(model_config)
         model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
                             model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
-        return {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model)}
+        out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model)}
+        if dims.pp > 1:
+            from lit_moe.strategies.pipeline import PipelineLayout, parameters_of_ranks
+
+            layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+            held = parameters_of_ranks(layout, out["params_by_name"], model_config.num_hidden_layers,
+                                       model_config.num_nextn_predict_layers > 0)
+            out["pipeline_ranks"] = [local_bytes(model, optimizer_section, names) for names in held]
+        return out
     finally:
         dist.destroy_process_group()
         dims.meshes = {}
@@ -291,27 +305,98 @@ def _available_ram() -> int:
     return 1 << 62  # pragma: no cover - unknown: do not refuse
 
 
+def most_loaded_rank(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,
+                     recompute_comm: Any = None, optimizer_section: Optional[dict] = None) -> tuple[int, str]:
+    """``(bytes, which rank)``: the parameters, gradients and optimizer state (:func:`state_bytes`) of
+    the rank that holds the most, from the exact local shards :func:`per_rank_bytes` computes for
+    ``lit_moe plan``. Rank 0 holds the most of every sharded dimension (an uneven split gives the
+    first ranks the larger pieces); with pipeline stages, the pipeline rank whose stages hold the most."""
+    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section)
+    if "pipeline_ranks" not in mem:
+        return state_bytes(mem, parallelism), "rank 0"
+    per_stage = [state_bytes(m, parallelism) for m in mem["pipeline_ranks"]]
+    r = max(range(len(per_stage)), key=per_stage.__getitem__)
+    return per_stage[r], f"pipeline rank {r}"
+
+
+def _in_forked_child(fn: Any, args: tuple, timeout_s: float = 900.0) -> Any:
+    """``fn(*args)`` in a forked child process (nothing it does reaches this process's state); its
+    exception is raised here. None when this platform cannot fork, a process group already exists
+    here (the child would share it), or the child gives no answer within ``timeout_s``."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods() or (dist.is_available() and dist.is_initialized()):
+        return None
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", fn(*args)))
+        except BaseException as err:  # handed to the parent, which raises it
+            send.send(("error", err))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            return None
+        kind, value = receive.recv()
+    except EOFError:  # the child died without an answer
+        return None
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if kind == "error":
+        raise value
+    return value
+
+
 def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any,
                recompute_comm: Any, optimizer_section: Optional[dict], accelerator: str,
-               local_processes: int) -> None:
-    """Refuse, before anything is allocated, a run whose per-rank parameters, gradients and optimizer
-    state exceed the memory of one rank's device. One rank: exactly the bytes ``lit_moe plan`` prints
-    (model on the meta device). Several ranks: the whole model's bytes divided by the world size, a
-    lower bound of every rank's share (no layout holds less per rank), so a refusal is never wrong;
-    ``lit_moe plan`` gives the exact per-rank numbers. (``fit`` does not build the meshes on a fake
-    process group as ``plan`` does: its processes are about to join the real one.)"""
+               local_processes: int, memory: Optional[tuple[int, str]] = None) -> None:
+    """Refuse, before anything is allocated, a run whose parameters, gradients and optimizer state
+    exceed the memory of one rank's device, in one line with both numbers. The bytes are those of
+    the most loaded rank (:func:`most_loaded_rank`: the exact local shards ``lit_moe plan`` computes,
+    model on the meta device, several ranks on a fake process group), the same on every rank, so
+    that all ranks refuse together (none is left waiting for the others). Activations are not
+    counted. ``memory``: ``(bytes, description)`` instead of :func:`device_memory`.
+
+    Several ranks need a fake process group, which must not touch the process that trains: torch
+    keeps DTensor sharding results in process-wide caches that compare meshes without their rank,
+    so a real mesh built afterwards would be handed the fake rank-0 mesh (every rank would then
+    hold, and save, rank 0's offsets). The several-rank computation therefore runs in a forked
+    child process. Where fork is missing, or a process group is already initialised in this
+    process, the check falls back to the whole model's bytes divided by the ranks, a lower bound
+    of the most loaded rank's share."""
     from lit_moe.strategies.parallel_dims import ParallelDims
 
-    whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism, optimizer_section=optimizer_section)
-    need = state_bytes(whole, parallelism) // dims.world_size
-    have, what = device_memory(accelerator, local_processes)
+    plan_dims = ParallelDims(world_size=dims.world_size, dp_shard=parallelism.data_parallel_shard,
+                             tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep)
+    args = (model_config, plan_dims, parallelism, recompute, recompute_comm, optimizer_section)
+    exact = True
+    if dims.world_size == 1:
+        need, who = most_loaded_rank(*args)
+    else:
+        answer = _in_forked_child(most_loaded_rank, args)
+        if answer is not None:
+            need, who = answer
+        else:
+            whole = per_rank_bytes(model_config, ParallelDims(world_size=1), parallelism,
+                                   optimizer_section=optimizer_section)
+            need, who, exact = state_bytes(whole, parallelism) // dims.world_size, "each rank", False
+    have, what = memory if memory is not None else device_memory(accelerator, local_processes)
     if need > have:
-        share = "needs" if dims.world_size == 1 else "needs at least"
+        needs = ("needs" if exact else "needs at least")
         raise ConfigError(
-            f"model: does not fit: each of the {dims.world_size} rank(s) {share} {_fmt_bytes(need)} for parameters, "
-            f"gradients and optimizer state (lit_moe plan), but has {_fmt_bytes(have)} ({what}); use more ranks "
-            "(parallelism.data_parallel_shard / expert_parallel / tensor_parallel), a smaller model, or for "
-            "activations recompute and a smaller training.local_batch_size")
+            f"model: does not fit: {who} of {dims.world_size} {needs} {_fmt_bytes(need)} for parameters, "
+            f"gradients and optimizer state (as lit_moe plan computes it), but has {_fmt_bytes(have)} ({what}); "
+            "use more ranks (parallelism.data_parallel_shard / expert_parallel / tensor_parallel / "
+            "pipeline_parallel), a smaller model, or for activations recompute and a smaller "
+            "training.local_batch_size")
 
 
 def _count(counts: Any, key: str) -> int:

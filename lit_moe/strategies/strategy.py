@@ -27,13 +27,14 @@ from torch import nn
 
 from lit_moe.checkpoint.resume import IterationResume
 from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
 from lit_moe.strategies.clip import global_grad_norm
 from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
 
 
-class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
+class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
     """FSDP2 (+HSDP) with tensor, expert and context parallelism, built from ``parallelism``.
 
     Args:
@@ -137,6 +138,17 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy):
         """Ranks that receive each sample: the tensor- and context-parallel ranks of one
         data-parallel rank (the sequence is split inside the model)."""
         return self.parallel_dims.tp * self.parallel_dims.cp * self.parallel_dims.pp
+
+    def parallel_degrees(self) -> dict[str, int]:
+        """The degrees of :attr:`parallel_dims` by name (recorded in a checkpoint's ``common.json``)."""
+        d = self.parallel_dims
+        return {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "ep": d.ep,
+                "pp": d.pp}
+
+    @property
+    def collective_timeout(self) -> Optional[timedelta]:
+        """``parallelism.process_group_timeout_s`` (or the ``timeout`` given to Lightning)."""
+        return self._timeout
 
     def _meshes_ready(self) -> bool:
         return self._parallel_dims is not None and bool(self._parallel_dims.meshes)
