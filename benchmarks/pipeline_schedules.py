@@ -37,6 +37,38 @@ def model_section(layers: int) -> dict:
                 params_dtype="float32", compute_dtype="float32")
 
 
+class SavedTensorBytes:
+    """Bytes of the distinct storages autograd saves for backward that are alive now (``live``) and at
+    most (``peak``); parameters are not activations and are left out. A storage is counted when first
+    packed and released when it is freed (a weak-reference callback on the storage)."""
+
+    def __init__(self, params):
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.alive: set[int] = set()
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and key not in self.alive and storage.nbytes():
+            n = storage.nbytes()
+            self.alive.add(key)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, n)
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def _free(self, key: int, n: int) -> None:
+        self.alive.discard(key)
+        self.live -= n
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -77,6 +109,15 @@ def worker(args) -> None:
                 times.append(time.perf_counter() - t0)
             if step < args.steps:
                 opt.zero_grad(set_to_none=True)
+        # one more step with a saved-tensor counter: the high-water mark of the bytes autograd keeps for
+        # backward on this rank (the schedule's in-flight micro-batches), against the plan's model
+        counter = SavedTensorBytes(model.parameters())
+        tok = torch.randint(0, cfg.vocab_size, (A, S + 1), generator=g)
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            pipe.forward_backward([{"input_ids": tok[i:i + 1, :-1], "labels": tok[i:i + 1, 1:]} for i in range(A)])
+        dist.barrier()
         params = sum(t.numel() * t.element_size() for t in model.parameters())
         grads = sum(t.grad.numel() * t.grad.element_size() for t in model.parameters() if t.grad is not None)
         states = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
@@ -87,7 +128,8 @@ def worker(args) -> None:
         planned_params = int(line.split("parameters ")[1].split(" bytes")[0])
         results[schedule] = dict(time=statistics.median(times), measured=params + grads + states,
                                  planned=4 * planned_params, in_flight=in_flight_microbatches(pipe.layout, rank, A),
-                                 bubble=bubble_fraction(pipe.layout, A))
+                                 bubble=bubble_fraction(pipe.layout, A), saved_peak=counter.peak,
+                                 saved_left=counter.live)
     rows = [None] * WORLD
     dist.all_gather_object(rows, results)
     if rank == 0:
