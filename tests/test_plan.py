@@ -159,3 +159,127 @@ def test_plan_takes_the_same_dotted_overrides_as_fit(tmp_path, capsys):
     assert main(["--config", path, "--world-size", "8", "--parallelism.expert_paralel", "2"]) == 2
     err = capsys.readouterr().err
     assert "expert_paralel" in err and "did you mean 'expert_parallel'" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# pipelines: activations kept for backward per schedule
+# ----------------------------------------------------------------------------------------------
+def _tiny_pipeline_model(**over) -> dict:
+    section = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, num_nextn_predict_layers=0,
+                   seq_length=64, max_position_embeddings=128, position_embedding_type="rope",
+                   params_dtype="float32", compute_dtype="float32")
+    section.update(over)
+    return section
+
+
+def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute: bool) -> tuple[int, int]:
+    """(bytes of the distinct storages autograd saves in one layer's forward, rows the grouped experts saw)."""
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.model.attention import AttentionContext
+    from lit_moe.model.moe import bucketed_group_rows
+    from lit_moe.strategies.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.init_weights(0)
+    if recompute:
+        apply_recompute(model, {"mode": "full", "full_recompute_layer": [f"0-{cfg.num_hidden_layers - 1}"]}, None)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    S = cfg.seq_length
+    x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
+    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    layer = model.layers[layer_idx]
+    chosen = []
+    hook = (layer.mlp.router.register_forward_hook(lambda m, i, o: chosen.append(o[1]))
+            if hasattr(layer.mlp, "router") else None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, ctx)
+    rows = None
+    if hook is not None:
+        hook.remove()
+        counts = torch.bincount(chosen[0].flatten(), minlength=cfg.n_routed_experts)
+        rows = int(bucketed_group_rows(counts, 16).sum())   # the CPU's padded expert groups
+    return sum(seen.values()), rows
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_layer_activation_model_matches_what_autograd_saves(compute_dtype):
+    """The per-layer model against ``saved_tensors_hooks`` counting one layer's forward on the CPU
+    (dense and MoE layer, with and without full recompute; fp32 and bf16 compute with fp32 weights)."""
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model(compute_dtype=compute_dtype))
+    B, S = 2, cfg.seq_length
+    for layer_idx in (0, 1):                      # dense, MoE
+        for recompute in (False, True):
+            measured, rows = _saved_bytes_of_one_layer(cfg, layer_idx, B, recompute)
+            modelled = layer_activation_bytes(cfg, layer_idx, B * S, B, S, recompute=recompute, core_attention="math",
+                                              expert_rows=rows)
+            if not recompute:
+                modelled += per_forward_bytes(cfg, B * S)   # the rotary angles, fresh for this one layer
+            assert abs(modelled / measured - 1) < 0.02, (compute_dtype, layer_idx, recompute, modelled, measured)
+            if recompute:   # only the layer input is kept
+                assert measured == B * S * cfg.hidden_size * cfg.torch_dtype("compute_dtype").itemsize
+
+
+def test_schedule_peaks_in_flight():
+    """Stage chunks a rank holds at its peak, from the schedules' action orders: GPipe all A, 1F1B P - r
+    (its warm-up), interleaved 1F1B Megatron's warm-up (P - r - 1)·2 + (V - 1)·P + 1, ZB-V 2P chunks of
+    half a rank's layers (the ZB-V paper: the same peak as 1F1B's first rank)."""
+    from lit_moe.strategies.activation_memory import peak_in_flight
+    from lit_moe.strategies.pipeline import PipelineLayout
+
+    P, A = 4, 8
+    ones = {s: 1 for s in range(2 * P)}
+    for schedule, v, expected in (("gpipe", 1, [A] * P), ("1f1b", 1, [P - r for r in range(P)]),
+                                  ("interleaved_1f1b", 2, [(P - r - 1) * 2 + P + 1 for r in range(P)]),
+                                  ("zbv", 2, [2 * P] * P)):
+        layout = PipelineLayout(P, v, schedule, tuple((i, i + 1) for i in range(P * v)))
+        got = [peak_in_flight(layout, r, A, ones)[1] for r in range(P)]
+        assert got == expected, (schedule, got, expected)
+
+
+def test_plan_prints_pipeline_activations_and_refuses_a_bad_split(tmp_path, capsys):
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+
+    cfg = copy.deepcopy(SEED)
+    cfg["model"] = _tiny_pipeline_model()
+    cfg["training"].update(global_batch_size=8, local_batch_size=1)
+    cfg["parallelism"] = {"pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": ["0-2", "3-3"]}
+    cfg.pop("recompute", None)
+    cfg.pop("recompute_comm", None)
+    cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = 64
+    result, text = _run(_write(tmp_path, cfg), 2)
+    # 1f1b, 8 micro-batches: rank 0 keeps 2 micro-batches of layers 0-2, rank 1 one of layer 3
+    model = DeepseekV3Config(**cfg["model"])
+    T = 64
+
+    def stage(layers):
+        return per_forward_bytes(model, T) + sum(layer_activation_bytes(model, i, T, 1, 64) for i in layers)
+
+    assert result["memory"]["activations_by_rank"] == [2 * stage(range(3)), stage([3])]
+    assert "activations saved for backward at the schedule's peak (1f1b, 8 micro-batches" in text
+    assert "pipeline rank 0: " in text and "2 stage chunks in flight" in text
+    # full recompute of every layer: each in-flight micro-batch keeps the stage's layer inputs only
+    cfg["recompute"] = {"mode": "full", "full_recompute_layer": ["0-3"]}
+    result, _ = _run(_write(tmp_path, cfg, "rc.yaml"), 2)
+    assert result["memory"]["activations_by_rank"] == [2 * (per_forward_bytes(model, T) + 3 * T * 64 * 4),
+                                                       per_forward_bytes(model, T) + T * 64 * 4]
+    # an infeasible stage split: one line, exit 2
+    cfg["parallelism"]["pipeline_parallel_layers_per_stage"] = ["0-1", "3-3"]
+    assert main(["--config", _write(tmp_path, cfg, "bad.yaml"), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_parallel_layers_per_stage" in err[0]
