@@ -253,7 +253,7 @@ def test_schedule_peaks_in_flight():
 
 def test_plan_prints_pipeline_activations_and_refuses_a_bad_split(tmp_path, capsys):
     from lit_moe.model import DeepseekV3Config
-    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+    from lit_moe.strategies.activation_memory import head_bytes, layer_activation_bytes, per_forward_bytes
 
     cfg = copy.deepcopy(SEED)
     cfg["model"] = _tiny_pipeline_model()
@@ -270,14 +270,14 @@ def test_plan_prints_pipeline_activations_and_refuses_a_bad_split(tmp_path, caps
     def stage(layers):
         return per_forward_bytes(model, T) + sum(layer_activation_bytes(model, i, T, 1, 64) for i in layers)
 
-    assert result["memory"]["activations_by_rank"] == [2 * stage(range(3)), stage([3])]
+    assert result["memory"]["activations_by_rank"] == [2 * stage(range(3)), stage([3]) + head_bytes(model, T)]
     assert "activations saved for backward at the schedule's peak (1f1b, 8 micro-batches" in text
     assert "pipeline rank 0: " in text and "2 stage chunks in flight" in text
     # full recompute of every layer: each in-flight micro-batch keeps the stage's layer inputs only
     cfg["recompute"] = {"mode": "full", "full_recompute_layer": ["0-3"]}
     result, _ = _run(_write(tmp_path, cfg, "rc.yaml"), 2)
     assert result["memory"]["activations_by_rank"] == [2 * (per_forward_bytes(model, T) + 3 * T * 64 * 4),
-                                                       per_forward_bytes(model, T) + T * 64 * 4]
+                                                       per_forward_bytes(model, T) + T * 64 * 4 + head_bytes(model, T)]
     # an infeasible stage split: one line, exit 2
     cfg["parallelism"]["pipeline_parallel_layers_per_stage"] = ["0-1", "3-3"]
     assert main(["--config", _write(tmp_path, cfg, "bad.yaml"), "--world-size", "2"]) == 2

@@ -13,8 +13,13 @@ the bytes one layer's forward saves on the CPU. Core attention has two variants:
 * ``math`` (torch's SDPA math path, taken on the CPU): the softmax probabilities, O(S^2).
 
 Full recompute of a layer keeps only its input. Not counted: the gradient buffers of backward, the
-stage's output kept by the pipeline schedule (it is not saved by an op), the loss head and the
-embedding (their saved tensors are a few token-sized vectors next to the layers').
+stage's output kept by the pipeline schedule (it is not saved by an op), the embedding's token ids.
+The last stage adds the final norm and the fused loss head (:func:`head_bytes`), once per MTP depth too.
+
+Zero-bubble schedules (``interleaved_zb``, ``zbv``): the plan releases a micro-batch's tensors at its
+weight-gradient step, as the schedule intends; torch's split backward keeps the input-gradient part
+of the graph alive longer (until the step ends), so these schedules measure above the plan
+(``benchmarks/pipeline_schedules.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +123,17 @@ def per_forward_bytes(config: Any, tokens: int) -> int:
     return 2 * tokens * config.qk_rope_head_dim * _bytes(config.torch_dtype("rotary_dtype"))
 
 
+def head_bytes(config: Any, tokens: int) -> int:
+    """The final norm and the fused output-layer loss (``ops/cross_entropy.py``): it keeps the logits'
+    gradient ``[T, V]`` (and its input) when that is smaller than the two input gradients, else those."""
+    c = config
+    T, H, V = tokens, c.hidden_size, c.vocab_size
+    a = _bytes(c.torch_dtype("compute_dtype"))
+    f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
+    norm = 2 * T * H * f + T * f + T * H * a            # its output is the head's input
+    return norm + (T * V * a if T * V <= H * (T + V) else T * H * a + V * H * a)
+
+
 def stage_activation_bytes(config: Any, layers: range, tokens: int, batch: int, seq: int, *,
                            recompute_layers: frozenset = frozenset(), **kwargs) -> int:
     """One micro-batch's saved bytes of a stage holding decoder ``layers`` (+ the rotary angles)."""
@@ -191,13 +207,14 @@ def pipeline_activation_plan(config: Any, layout: Any, microbatches: int, batch:
     chunk = {s: stage_activation_bytes(config, range(a, b), tokens, batch, seq,
                                        recompute_layers=recompute_layers, **kwargs)
              for s, (a, b) in enumerate(layout.ranges)}
-    if getattr(config, "num_nextn_predict_layers", 0):
-        last = layout.num_stages - 1
-        L = config.num_hidden_layers
-        for j in range(config.num_nextn_predict_layers):
-            # an MTP depth is a decoder block on the last stage (its embedding lookup and head not counted)
-            chunk[last] += layer_activation_bytes(config, L + j, tokens, batch, seq,
-                                                  recompute=(L + j) in recompute_layers, **kwargs)
+    last = layout.num_stages - 1
+    chunk[last] += head_bytes(config, tokens)
+    L = config.num_hidden_layers
+    for j in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
+        # an MTP depth: a decoder block and its own norms and head on the last stage
+        chunk[last] += layer_activation_bytes(config, L + j, tokens, batch, seq,
+                                              recompute=(L + j) in recompute_layers, **kwargs)
+        chunk[last] += head_bytes(config, tokens)
     rows = []
     for r in range(layout.pp):
         peak, chunks = peak_in_flight(layout, r, microbatches, chunk)
