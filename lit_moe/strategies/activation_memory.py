@@ -164,13 +164,15 @@ def schedule_actions(layout: Any, rank: int, microbatches: int) -> list[tuple[st
                 ops.append(("F", rank, warm + m))
         return ops
     from torch import nn
+    from torch.distributed import pipelining as pl
 
-    from lit_moe.strategies.pipeline import _schedule_class
-
+    # torch's classes of the multi-stage schedules (pipeline.py runs the same ones)
+    cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
+           "zbv": pl.ScheduleZBVZeroBubble}[layout.schedule]
     stages = [SimpleNamespace(group_size=P, group_rank=rank, num_stages=layout.num_stages, stage_index=s,
                               is_first=s == 0, is_last=s == layout.num_stages - 1, submod=nn.Module())
               for s in layout.stages_of(rank)]
-    schedule = _schedule_class(layout.schedule)(stages, n_microbatches=A, scale_grads=False)
+    schedule = cls(stages, n_microbatches=A, scale_grads=False)
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     out = []
     for action in schedule.pipeline_order[rank]:
