@@ -10,7 +10,9 @@ AdamW; step time is the median wall time of ``--steps`` steps after one warm-up 
 fraction and in-flight micro-batch chunks, per rank measured vs planned static bytes
 (parameters + gradients + AdamW's two moments, fp32), and per rank the high-water mark of the bytes
 autograd saves for backward (a ``saved_tensors_hooks`` counter over one more step: distinct storages,
-parameters left out, released when freed) against the plan's activation model at the schedule's
+parameters left out, released when freed; with the zero-bubble schedules also the output gradients
+torch's split backward keeps from a micro-batch's input-gradient step to its weight-gradient step)
+against the plan's activation model at the schedule's
 peak (``lit_moe.strategies.activation_memory`` with the CPU's math attention). The memory target:
 within 15% of the plan.
 """
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # this checkout's lit_moe, also for the coordinator's plan side
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2)]
 WORLD = 4
 
@@ -52,6 +55,15 @@ class SavedTensorBytes:
         self.live = self.peak = 0
 
     def pack(self, t):
+        self.count(t)
+        # detached: keeping ``t`` itself would let an op's saved output hold its own grad_fn, a cycle
+        # through C++ that gc cannot break and that only a graph-freeing backward breaks; the
+        # zero-bubble schedules' input-gradient step retains the graph, so such graphs (and every
+        # tensor upstream of them) would never be freed: the counter itself would leak
+        # (pytorch/pytorch#189025)
+        return t.detach()
+
+    def count(self, t) -> None:
         import weakref
 
         storage = t.untyped_storage()
@@ -62,7 +74,21 @@ class SavedTensorBytes:
             self.live += n
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key, n)
-        return t
+
+    def count_weight_grad_inputs(self, backward_input):
+        """Wraps torch's ``stage_backward_input`` (the zero-bubble schedules' input-gradient step) to
+        also count the output gradients it keeps for the weight-gradient step (``param_groups``)."""
+
+        def wrapped(*args, **kwargs):
+            dinputs, param_groups = backward_input(*args, **kwargs)
+            for group in param_groups:
+                for grads in group.get("grads") or ():
+                    for g in grads:
+                        if g is not None:
+                            self.count(g)
+            return dinputs, param_groups
+
+        return wrapped
 
     @staticmethod
     def unpack(t):
@@ -76,6 +102,7 @@ class SavedTensorBytes:
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.pipelining import stage as pipelining_stage
 
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -119,8 +146,14 @@ def worker(args) -> None:
         tok = torch.randint(0, cfg.vocab_size, (A, S + 1), generator=g)
         opt.zero_grad(set_to_none=True)
         dist.barrier()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            pipe.forward_backward([{"input_ids": tok[i:i + 1, :-1], "labels": tok[i:i + 1, 1:]} for i in range(A)])
+        backward_input = pipelining_stage.stage_backward_input
+        pipelining_stage.stage_backward_input = counter.count_weight_grad_inputs(backward_input)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                pipe.forward_backward([{"input_ids": tok[i:i + 1, :-1], "labels": tok[i:i + 1, 1:]}
+                                       for i in range(A)])
+        finally:
+            pipelining_stage.stage_backward_input = backward_input
         dist.barrier()
         params = sum(t.numel() * t.element_size() for t in model.parameters())
         grads = sum(t.grad.numel() * t.grad.element_size() for t in model.parameters() if t.grad is not None)
@@ -186,7 +219,8 @@ def activation_table(rows: list, args) -> float:
     from lit_moe.strategies.pipeline import PipelineLayout
 
     cfg = DeepseekV3Config(**model_section(args.layers))
-    print("activations saved for backward per rank, MiB: measured peak / plan (ratio)")
+    print("activations kept for backward per rank (saved tensors; zero-bubble: + output gradients kept for the "
+          "weight-gradient step), MiB: measured peak / plan (ratio)")
     worst = 0.0
     for schedule, v in SCHEDULES:
         layout = PipelineLayout.from_config(ParallelismConfig(pipeline_parallel=WORLD, pipeline_parallel_schedule=schedule,
@@ -200,7 +234,9 @@ def activation_table(rows: list, args) -> float:
             measured, planned = row[schedule]["saved_peak"], plan[r]["bytes"]
             worst = max(worst, abs(measured / planned - 1))
             cells.append(f"{measured / 2**20:6.2f} / {planned / 2**20:6.2f} ({measured / planned:.2f})")
-        print(f"{schedule:18s} " + "  ".join(cells) + f"   chunks {[p['chunks'] for p in plan]}")
+        left = [f"{row[schedule]['saved_left'] / 2**20:.2f}" for row in rows]
+        print(f"{schedule:18s} " + "  ".join(cells) + f"   chunks {[p['chunks'] for p in plan]}, "
+              f"MiB still held after the step {left}")
     print(f"worst activation-memory deviation from the plan: {worst:.1%} (target: within 15%)")
     return worst
 

@@ -234,6 +234,130 @@ def test_layer_activation_model_matches_what_autograd_saves(compute_dtype):
                 assert measured == B * S * cfg.hidden_size * cfg.torch_dtype("compute_dtype").itemsize
 
 
+class _KeptBytes:
+    """Live bytes of distinct storages: ``saved`` (packed by autograd; parameters left out) and ``grads``
+    (the output gradients torch's split backward keeps for the weight step), each released when freed."""
+
+    def __init__(self, params):
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.live = {"saved": 0, "grads": 0}
+        self.seen: set[int] = set()
+
+    def add(self, t, kind: str) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or key in self.seen or not storage.nbytes():
+            return
+        self.seen.add(key)
+        self.live[kind] += storage.nbytes()
+        weakref.finalize(storage, self._free, key, kind, storage.nbytes())
+
+    def _free(self, key, kind, n) -> None:
+        self.seen.discard(key)
+        self.live[kind] -= n
+
+    def add_weight_grad_inputs(self, param_groups) -> None:
+        for group in param_groups:
+            for grads in group["grads"]:
+                for t in grads:
+                    if t is not None:
+                        self.add(t, "grads")
+
+    def pack(self, t):
+        self.add(t, "saved")
+        return t.detach()   # t itself would make a grad_fn cycle that a split backward never frees
+
+
+def test_split_backward_keeps_what_the_zero_bubble_plan_says():
+    """The zero-bubble part of the plan against torch's own split backward (``stage_backward_input`` /
+    ``stage_backward_weight``, what ``PipelineStage`` runs for I and W) on the two kinds of stages that
+    have one: a middle stage (dense + MoE layer) and the last stage (MoE layer + final norm + loss head),
+    two micro-batches each in the order F F I I W W. Checked: the input-gradient step frees (almost)
+    nothing of what the forwards saved (measured against :func:`layer_activation_bytes`) and keeps the
+    output gradients :func:`layer_weight_grad_bytes` / :func:`head_weight_grad_bytes` count (exactly);
+    each weight-gradient step frees its micro-batch's both; after the last one nothing is left; the
+    gradients equal a plain full backward's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model.moe import bucketed_group_rows
+    from lit_moe.strategies.activation_memory import (head_bytes, head_weight_grad_bytes, layer_activation_bytes,
+                                                      layer_weight_grad_bytes, per_forward_bytes)
+    from lit_moe.strategies.pipeline import DeepseekV3Stage
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model())
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.init_weights(0)
+    S, H = cfg.seq_length, cfg.hidden_size
+    for layers, last in (([0, 1], False), ([2, 3], True)):
+        stage = DeepseekV3Stage(model, layers, first=False, last=last)
+        params = list(stage.parameters())
+        rows: dict[int, list[int]] = {i: [] for i in layers}
+        hooks = [model.layers[i].mlp.router.register_forward_hook(
+            lambda m, i_, o, i=i: rows[i].append(int(bucketed_group_rows(
+                torch.bincount(o[1].flatten(), minlength=cfg.n_routed_experts), 16).sum())))
+            for i in layers if cfg.is_moe_layer(i)]
+        kept = _KeptBytes(params)
+        xs, outs, ids = [], [], []
+        inputs = [torch.randn(1, S, H) for _ in range(2)]
+        for m in range(2):
+            x = inputs[m].clone().requires_grad_()
+            tok = torch.randint(0, cfg.vocab_size, (1, S))
+            with torch.autograd.graph.saved_tensors_hooks(kept.pack, lambda t: t):
+                out = stage(x, tok, labels=tok if last else None)
+            xs.append(x), ids.append(tok), outs.append(out.sum() if last else out)
+        del x, out
+        for h in hooks:
+            h.remove()
+
+        def planned(m: int) -> tuple[int, int]:
+            saved = per_forward_bytes(cfg, S) + (head_bytes(cfg, S) if last else 0)
+            grads = head_weight_grad_bytes(cfg, S) if last else 0
+            for i in layers:
+                r = rows[i][m] if rows[i] else None
+                saved += layer_activation_bytes(cfg, i, S, 1, S, core_attention="math", expert_rows=r)
+                grads += layer_weight_grad_bytes(cfg, i, S, expert_rows=r)
+            return saved, grads
+
+        (saved0, grads0), (saved1, grads1) = planned(0), planned(1)
+        after_forward = kept.live["saved"]
+        assert abs(after_forward / (saved0 + saved1) - 1) < 0.02, (layers, after_forward, saved0 + saved1)
+        groups = []
+        for m in range(2):
+            grad_out = None if last else [torch.ones_like(outs[m])]
+            param_groups = stage_backward_input([outs[m]], grad_out, [xs[m]], iter(params))[1]
+            kept.add_weight_grad_inputs(param_groups)
+            groups.append(param_groups)
+        del grad_out   # the last GEMM's kept gradient is the output gradient itself
+        assert kept.live["saved"] > 0.99 * after_forward, (layers, kept.live, after_forward)
+        assert kept.live["grads"] == grads0 + grads1, (layers, kept.live, grads0 + grads1)
+        input_grads = [x.grad.clone() for x in xs]
+        del outs
+        xs[0] = None   # the stage input: PipelineStage's receive buffer would stay, the test lets it go
+        stage_backward_weight(iter(params), groups.pop(0))
+        assert kept.live["grads"] == grads1, (layers, kept.live, grads1)
+        assert abs(kept.live["saved"] / saved1 - 1) < 0.02, (layers, kept.live, saved1)
+        xs[1] = None
+        stage_backward_weight(iter(params), groups.pop(0))
+        assert kept.live == {"saved": 0, "grads": 0}, (layers, kept.live)
+        # the same gradients as one plain backward of each micro-batch
+        split = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+        stage.zero_grad(set_to_none=True)
+        for m in range(2):
+            x = inputs[m].clone().requires_grad_()
+            out = stage(x, ids[m], labels=ids[m] if last else None)
+            (out.sum() if last else out).backward(None if last else torch.ones_like(out))
+            torch.testing.assert_close(input_grads[m], x.grad, rtol=1e-5, atol=1e-7)
+        plain = {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+        assert split.keys() == plain.keys() and len(plain) == len(params)
+        for n in plain:
+            torch.testing.assert_close(split[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
+        stage.zero_grad(set_to_none=True)
+
+
 def test_schedule_peaks_in_flight():
     """Stage chunks a rank holds at its peak, from the schedules' action orders: GPipe all A, 1F1B P - r
     (its warm-up), interleaved 1F1B Megatron's warm-up (P - r - 1)·2 + (V - 1)·P + 1, ZB-V 2P chunks of

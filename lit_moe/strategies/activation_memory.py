@@ -16,10 +16,15 @@ Full recompute of a layer keeps only its input. Not counted: the gradient buffer
 stage's output kept by the pipeline schedule (it is not saved by an op), the embedding's token ids.
 The last stage adds the final norm and the fused loss head (:func:`head_bytes`), once per MTP depth too.
 
-Zero-bubble schedules (``interleaved_zb``, ``zbv``): the plan releases a micro-batch's tensors at its
-weight-gradient step, as the schedule intends; torch's split backward keeps the input-gradient part
-of the graph alive longer (until the step ends), so these schedules measure above the plan
-(``benchmarks/pipeline_schedules.py``).
+Zero-bubble schedules (``interleaved_zb``, ``zbv``) split a stage's backward in two (torch 2.13,
+``pipelining/_backward.py``): the input-gradient step ``I`` runs ``autograd.grad`` to the stage input
+with ``retain_graph=True``, so every tensor the chunk saved stays until its weight-gradient step ``W``
+(measured: all but a few bytes of the chunk), and it keeps, per micro-batch, the gradient of each op's
+output where the input path meets a weight (the ``param_groups`` "intermediates": each GEMM's and norm's
+output gradient, :func:`layer_weight_grad_bytes`) until ``W`` runs ``autograd.grad`` from them to the
+weights. ``W`` frees both. The first stage has no input gradient: torch skips its ``I`` and runs the
+whole backward at ``W``. ``tests/test_plan.py`` checks this against a split backward run by torch's own
+functions.
 """
 
 from __future__ import annotations
@@ -83,7 +88,11 @@ def layer_activation_bytes(config: Any, layer_idx: int, tokens: int, batch: int,
     use_rope = c.uses_rope(layer_idx)
     qb = _bytes(torch.promote_types(c.torch_dtype("compute_dtype"), c.torch_dtype("rotary_dtype"))) if use_rope else a
     total += 2 * T * n * (dn + dr) * qb                  # query, key (concatenations)
-    total += T * n * dv * qb                             # value, made contiguous in the query's dtype
+    if core_attention == "math" and batch == 1 and qb == a:
+        # one sequence: the math path's [B*heads, S, d_v] value is a view of the whole kv_b output
+        total += T * n * (dn + dv) * a
+    else:
+        total += T * n * dv * qb                         # value, made contiguous in the query's dtype
     if core_attention == "math":
         total += batch * n * seq * seq * 4               # softmax probabilities (fp32)
     elif core_attention == "fused":
@@ -117,10 +126,10 @@ def _mlp(F: int, T: int, H: int, a: int, weight_copies: bool) -> int:
 
 
 def per_forward_bytes(config: Any, tokens: int) -> int:
-    """Tensors one forward shares between its layers: the rotary cos and sin."""
+    """Tensors one forward shares between its layers: the rotary cos and sin, ``[T, d_rope / 2]`` each."""
     if config.position_embedding_type not in ("rope", "yarn"):
         return 0
-    return 2 * tokens * config.qk_rope_head_dim * _bytes(config.torch_dtype("rotary_dtype"))
+    return 2 * tokens * (config.qk_rope_head_dim // 2) * _bytes(config.torch_dtype("rotary_dtype"))
 
 
 def head_bytes(config: Any, tokens: int) -> int:
@@ -132,6 +141,57 @@ def head_bytes(config: Any, tokens: int) -> int:
     f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
     norm = 2 * T * H * f + T * f + T * H * a            # its output is the head's input
     return norm + (T * V * a if T * V <= H * (T + V) else T * H * a + V * H * a)
+
+
+def layer_weight_grad_bytes(config: Any, layer_idx: int, tokens: int, *, expert_rows: Optional[int] = None,
+                            heads: Optional[int] = None) -> int:
+    """Bytes a split backward (zero-bubble schedules) keeps between a micro-batch's input-gradient and
+    weight-gradient steps for decoder layer ``layer_idx``: the gradient of every op output where the
+    input path meets a weight (torch's ``param_groups`` intermediates), i.e. each norm's and each
+    GEMM's output gradient, one distinct tensor each. Same arguments as :func:`layer_activation_bytes`."""
+    c = config
+    T, H = tokens, c.hidden_size
+    a = _bytes(c.torch_dtype("compute_dtype"))
+    f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
+    n = heads if heads is not None else c.num_attention_heads
+    dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    qr, kr = c.q_lora_rank, c.kv_lora_rank
+    latent_norm = 1 if getattr(c, "qk_layernorm", True) else 0
+    total = T * H * f                                     # input_layernorm's weight product
+    if qr is not None:
+        total += T * (qr + kr + dr) * a                   # fused q_a/kv_a GEMM
+        total += latent_norm * T * qr * f + T * n * (dn + dr) * a      # q_a_layernorm, q_b_proj
+    else:
+        total += T * n * (dn + dr) * a + T * (kr + dr) * a             # q_proj, kv_a_proj_with_mqa
+    total += latent_norm * T * kr * f + T * n * (dn + dv) * a          # kv_a_layernorm, kv_b_proj
+    total += T * H * a                                    # o_proj
+    total += T * H * f                                    # pre_mlp_layernorm
+    if c.is_moe_layer(layer_idx):
+        E, K, I = c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        R = expert_rows if expert_rows is not None else T * K
+        total += T * E * _bytes(c.torch_dtype("router_dense_type"))    # router GEMM
+        total += R * 2 * I * a + R * H * a                # grouped gate|up and down GEMMs
+        if c.n_shared_experts > 0:
+            total += T * 2 * c.shared_expert_intermediate_size * a + T * H * a
+    else:
+        total += T * 2 * c.intermediate_size * a + T * H * a
+    return total
+
+
+def head_weight_grad_bytes(config: Any, tokens: int) -> int:
+    """:func:`layer_weight_grad_bytes` of the last stage's final norm and fused loss head (its output
+    gradient is a scalar)."""
+    return tokens * config.hidden_size * _bytes(config.torch_dtype("layernorm_compute_dtype")) + 4
+
+
+def mtp_weight_grad_bytes(config: Any, tokens: int) -> int:
+    """One MTP depth besides its decoder layer: the concatenation of the two normed inputs (the
+    embedding side, which does not depend on the stage input, meets it there), ``eh_proj``, ``hnorm``,
+    ``final_layernorm`` and its own head."""
+    T, H = tokens, config.hidden_size
+    a = _bytes(config.torch_dtype("compute_dtype"))
+    f = _bytes(config.torch_dtype("layernorm_compute_dtype"))
+    return T * 2 * H * a + T * H * a + T * H * f + T * H * f + head_weight_grad_bytes(config, tokens)
 
 
 def stage_activation_bytes(config: Any, layers: range, tokens: int, batch: int, seq: int, *,
@@ -184,27 +244,41 @@ def schedule_actions(layout: Any, rank: int, microbatches: int) -> list[tuple[st
     return out
 
 
-def peak_in_flight(layout: Any, rank: int, microbatches: int, chunk_bytes: dict[int, int]) -> tuple[int, int]:
+def peak_in_flight(layout: Any, rank: int, microbatches: int, chunk_bytes: dict[int, int],
+                   held_bytes: Optional[dict[int, int]] = None) -> tuple[int, int]:
     """``(peak bytes, stage chunks alive at that peak)`` on ``rank``: a forward of stage s adds
-    ``chunk_bytes[s]``; a full backward, or the weight-gradient step of a split backward (the input
-    gradient step keeps what the weight gradients need), releases it."""
+    ``chunk_bytes[s]``; a full backward releases it; the input-gradient step of a split backward adds
+    ``held_bytes[s]`` (the output gradients kept for the weight gradients) and keeps the chunk; the
+    weight-gradient step releases both."""
+    held_bytes = held_bytes or {}
     live = peak = count = peak_count = 0
     for kind, stage, _ in schedule_actions(layout, rank, microbatches):
         if kind == "F":
             live += chunk_bytes[stage]
             count += 1
-        elif kind in ("B", "W"):
+        elif kind == "I":
+            live += held_bytes.get(stage, 0)
+        elif kind == "B":
             live -= chunk_bytes[stage]
+            count -= 1
+        elif kind == "W":
+            live -= chunk_bytes[stage] + held_bytes.get(stage, 0)
             count -= 1
         if live > peak:
             peak, peak_count = live, count
     return peak, peak_count
 
 
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")
+
+
 def pipeline_activation_plan(config: Any, layout: Any, microbatches: int, batch: int, seq: int, *,
                              recompute_layers: frozenset = frozenset(), **kwargs) -> list[dict[str, int]]:
-    """Per pipeline rank: ``bytes`` saved at the schedule's peak, ``chunks`` of micro-batches alive then,
-    and ``per_microbatch`` (the rank's stages, one micro-batch each)."""
+    """Per pipeline rank: ``bytes`` kept for backward at the schedule's peak (saved tensors, plus the
+    output gradients a split backward keeps between its input- and weight-gradient steps), ``chunks``
+    of micro-batches alive then, ``per_microbatch`` (saved bytes of the rank's stages, one micro-batch
+    each) and ``weight_grad_per_microbatch`` (the kept gradients of the same, 0 without a split
+    backward)."""
     tokens = batch * seq
     chunk = {s: stage_activation_bytes(config, range(a, b), tokens, batch, seq,
                                        recompute_layers=recompute_layers, **kwargs)
@@ -212,13 +286,27 @@ def pipeline_activation_plan(config: Any, layout: Any, microbatches: int, batch:
     last = layout.num_stages - 1
     chunk[last] += head_bytes(config, tokens)
     L = config.num_hidden_layers
-    for j in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
+    depths = getattr(config, "num_nextn_predict_layers", 0) or 0
+    for j in range(depths):
         # an MTP depth: a decoder block and its own norms and head on the last stage
         chunk[last] += layer_activation_bytes(config, L + j, tokens, batch, seq,
                                               recompute=(L + j) in recompute_layers, **kwargs)
         chunk[last] += head_bytes(config, tokens)
+    held = {s: 0 for s in chunk}
+    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        grad_kwargs = {k: v for k, v in kwargs.items() if k in ("expert_rows", "heads")}
+        for s, (a, b) in enumerate(layout.ranges):
+            if s == 0:
+                continue   # torch runs the first stage's whole backward at its weight-gradient step
+            held[s] = sum(layer_weight_grad_bytes(config, i, tokens, **grad_kwargs) for i in range(a, b))
+        if last > 0:
+            held[last] += head_weight_grad_bytes(config, tokens)
+            for j in range(depths):
+                held[last] += layer_weight_grad_bytes(config, L + j, tokens, **grad_kwargs)
+                held[last] += mtp_weight_grad_bytes(config, tokens)
     rows = []
     for r in range(layout.pp):
-        peak, chunks = peak_in_flight(layout, r, microbatches, chunk)
-        rows.append({"bytes": peak, "chunks": chunks, "per_microbatch": sum(chunk[s] for s in layout.stages_of(r))})
+        peak, chunks = peak_in_flight(layout, r, microbatches, chunk, held)
+        rows.append({"bytes": peak, "chunks": chunks, "per_microbatch": sum(chunk[s] for s in layout.stages_of(r)),
+                     "weight_grad_per_microbatch": sum(held[s] for s in layout.stages_of(r))})
     return rows
