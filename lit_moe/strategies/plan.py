@@ -218,7 +218,9 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
                                            seq_length, recompute, recompute_comm)
         p(f"  activations saved for backward at the schedule's peak ({layout.schedule}, {accumulation} micro-batches "
           f"of {training.local_batch_size} x {seq_length} tokens; fused attention kernel"
-          + (", recomputed layers keep their input" if any(activations["recompute_layers"]) else "") + "):",
+          + (", recomputed layers keep their input" if any(activations["recompute_layers"]) else "")
+          + ("; with the output gradients the split backward keeps until each weight-gradient step"
+             if any(row["weight_grad_per_microbatch"] for row in activations["ranks"]) else "") + "):",
           file=out)
         for r, row in enumerate(activations["ranks"]):
             p(f"    pipeline rank {r}: {_fmt_bytes(row['bytes'])} ({row['chunks']} stage chunks in flight x "
