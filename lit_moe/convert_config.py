@@ -19,6 +19,12 @@ graph.yaml                                    pynative.yaml
 ``parallel_config.model_parallel``            ``parallelism.tensor_parallel``
 ``parallel_config.expert_parallel``           ``parallelism.expert_parallel``
 ``parallel_config.context_parallel``          ``parallelism.context_parallel``
+``parallel_config.pipeline_stage`` (P > 1)    ``parallelism.pipeline_parallel``; with ``model_config.offset`` and
+                                              ``pp_interleave_num`` → ``pipeline_parallel_layers_per_stage``
+                                              (explicit ranges, MindFormers' ``LayerSetting`` split) and
+                                              ``pipeline_parallel_interleave_num``;
+                                              ``parallel.pipeline_config.pipeline_scheduler`` →
+                                              ``pipeline_parallel_schedule`` (see :func:`graph_stage_ranges`)
 ``parallel_config.data_parallel``             the layout: ``data_parallel_shard: -1`` (FSDP over the implicit
                                               data-parallel size = world / (tp × cp)), and the global batch
 ``recompute_config.recompute`` / ``select_recompute``  ``recompute.mode`` full (every layer, or the first
@@ -43,7 +49,8 @@ graph.yaml                                    pynative.yaml
 
 Every other key (the seed's "Graph 独有配置项": ``output_dir``, ``trainer``, ``runner_config`` beyond the
 batch, ``context`` beyond affinity, ``parallel``, ``callbacks``, ``runner_wrapper`` beyond clipping, the
-``profile*`` keys, ``model_config.offset``, …) has no PyNative meaning and is named in one warning.
+``profile*`` keys, ``model_config.offset`` without pipeline stages, …) has no PyNative meaning and is named
+in one warning.
 """
 
 from __future__ import annotations
@@ -73,8 +80,16 @@ class GraphOnlyKeysWarning(UserWarning):
 _ADAMW_FAMILY = ("AdamW", "AdamWeightDecay", "FusedAdamWeightDecay", "FP32StateAdamWeightDecay",
                  "AdamWeightDecayX")
 # Keys of model.model_config that only graph mode reads (seed appendix).
-_GRAPH_ONLY_MODEL_KEYS = ("offset", "pp_interleave_num", "use_attn_mask_compression", "apply_rope_fusion",
-                          "bias_swiglu_fusion", "use_fused_ops_topkrouter", "type")
+_GRAPH_ONLY_MODEL_KEYS = ("use_attn_mask_compression", "apply_rope_fusion", "bias_swiglu_fusion",
+                          "use_fused_ops_topkrouter", "type")
+# Keys of model.model_config that place layers on pipeline stages (read by ``parallelism``; dropped
+# without pipeline stages, where graph mode ignores them too).
+_PIPELINE_MODEL_KEYS = ("offset", "pp_interleave_num")
+# parallel.pipeline_config.pipeline_scheduler (MindSpore) → pipeline_parallel_schedule. The sequence-
+# chunked schedules (seqpipe, seqvpp, seqsmartvpp) have no counterpart: they reorder the same
+# arithmetic, so 1f1b (interleaved with V > 1) stands in, with a note.
+_GRAPH_SCHEDULERS = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b",
+                     "seqvpp": "1f1b", "seqsmartvpp": "1f1b"}
 # Legacy ``moe_config`` names → model keys.
 _MOE_CONFIG_TO_MODEL = {
     "expert_num": "n_routed_experts",
@@ -193,6 +208,84 @@ def _local_batch_from_args(argv: list[str]) -> int:
     return 1
 
 
+def _offset_grid(offset: Any, pp: int, interleave: int, name: str) -> tuple[list[list[int]], int]:
+    """``offset`` (int, one int per stage, or one list per interleave chunk) as a V x P grid (numpy's
+    broadcasting, as MindFormers does it) and the sum of the entries as written (what its rule checks)."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if offset is None:
+        offset = 0
+    if is_int(offset):
+        return [[offset] * pp for _ in range(interleave)], offset
+    if isinstance(offset, (list, tuple)) and all(is_int(v) for v in offset):
+        if len(offset) != pp:
+            raise ConfigError(f"{name}: {list(offset)} has {len(offset)} entries; it needs one per pipeline stage "
+                              f"(parallel_config.pipeline_stage {pp})")
+        return [list(offset) for _ in range(interleave)], sum(offset)
+    if (isinstance(offset, (list, tuple)) and offset
+            and all(isinstance(row, (list, tuple)) and all(is_int(v) for v in row) for row in offset)):
+        if len(offset) != interleave or any(len(row) != pp for row in offset):
+            raise ConfigError(f"{name}: {[list(r) for r in offset]} must be {interleave} list(s) (pp_interleave_num) "
+                              f"of {pp} integers (parallel_config.pipeline_stage)")
+        return [list(row) for row in offset], sum(sum(row) for row in offset)
+    raise ConfigError(f"{name}: expected an integer, a list of {pp} integers or {interleave} such lists, got {offset!r}")
+
+
+def graph_stage_ranges(num_layers: int, offset: Any, pp: int, interleave: int = 1, zbv: bool = False,
+                       name: str = "model.model_config.offset") -> list[tuple[int, int]]:
+    """Half-open decoder-layer ranges of graph mode's ``pp * interleave`` pipeline stages, in pipeline
+    order (chunk c, position k → index c·pp + k), as MindFormers' ``LayerSetting`` places them:
+
+    * stage (c, k) gets ``num_layers // (pp·V) + offset[c][k]`` layers, the offset broadcast from an
+      int, a per-stage list or per-chunk lists; the entries as written must sum to
+      ``num_layers % (pp·V)``;
+    * ``zero_bubble_v`` (V-shaped): chunk 1 runs from the last rank back to the first, so its per-rank
+      counts are reversed into pipeline order;
+    * layers are then given out in order: a stage whose counts run past the last layer (an int or a
+      per-stage offset broadcast over several stages adds it more than once) keeps only what is left.
+
+    MindFormers allows an empty first or last stage; lit_moe's stages each need a layer, so any empty
+    stage is a one-line :class:`ConfigError`, as are MindFormers' own errors (shape, sum, a middle
+    stage below one layer)."""
+    stages = pp * interleave
+    if stages <= 1:
+        return [(0, num_layers)]
+    base, remainder = divmod(num_layers, stages)
+    grid, total = _offset_grid(offset, pp, interleave, name)
+    if total != remainder:
+        raise ConfigError(f"{name}: the entries of {offset!r} sum to {total}, but MindFormers requires num_layers "
+                          f"{num_layers} % (pipeline_stage {pp} x pp_interleave_num {interleave}) = {remainder}")
+    counts = [[base + off for off in row] for row in grid]
+    if zbv and interleave > 1:
+        counts[1] = counts[1][::-1]
+    flat = [n for row in counts for n in row]
+    if flat[0] < 0 or flat[-1] < 0 or any(n < 1 for n in flat[1:-1]):
+        raise ConfigError(f"{name}: {offset!r} gives the stages {counts} decoder layers ({num_layers} layers, "
+                          f"{base} per stage before the offset); a stage cannot hold fewer than 0 (first, last) "
+                          "or 1 (the others)")
+    ranges, start = [], 0
+    for s, n in enumerate(flat):
+        end = min(start + n, num_layers)
+        if end <= start:
+            raise ConfigError(f"{name}: {offset!r} leaves pipeline stage {s} (chunk {s // pp}, position {s % pp}) "
+                              f"without decoder layers (counts {counts} for {num_layers} layers); lit_moe's stages "
+                              "each need at least one layer: move a layer to it")
+        ranges.append((start, end))
+        start = end
+    if start < num_layers:  # cannot happen after the sum rule; kept so that a layer is never lost silently
+        raise ConfigError(f"{name}: {offset!r} places only {start} of {num_layers} decoder layers")
+    return ranges
+
+
+def layers_per_stage_spec(ranges: list[tuple[int, int]], pp: int) -> list[str]:
+    """``pipeline_parallel_layers_per_stage``: one string per pipeline position k of its chunks' inclusive
+    ranges, chunk c being stage c·pp + k (how :func:`lit_moe.strategies.pipeline.split_layers` reads it)."""
+    interleave = len(ranges) // pp
+    return [",".join(f"{ranges[c * pp + k][0]}-{ranges[c * pp + k][1] - 1}" for c in range(interleave))
+            for k in range(pp)]
+
+
 # ----------------------------------------------------------------------------------------------
 # the conversion
 # ----------------------------------------------------------------------------------------------
@@ -226,6 +319,11 @@ class _Converter:
         self.dropped: list[str] = []
         self.notes: list[str] = []
         self.used_top: set[str] = set()
+        self.pipeline_keys: dict[str, Any] = {}
+        # graph mode's stages (decoder-layer ranges in pipeline order); one stage without pipelining
+        self.stage_ranges: list[tuple[int, int]] = []
+        self.pipeline_shape = (1, 1)   # (pipeline_stage, interleave)
+        self.zbv = False
 
     def section(self, key: str) -> dict:
         self.used_top.add(key)
@@ -234,8 +332,9 @@ class _Converter:
     # -- pieces ---------------------------------------------------------------------------------
     def run(self) -> Conversion:
         model = self.model()
-        parallel = self.parallelism()
+        parallel = self.parallelism(model)
         training = self.training(parallel)
+        self.check_pipeline(model, parallel, training)
         self.optimizer()
         self.lr_scheduler(training["steps"])
         self.recompute(model)
@@ -256,7 +355,9 @@ class _Converter:
         _leftovers("model", model_graph, {"model_config"}, self.dropped)
         model: dict[str, Any] = {}
         for key, value in model_config.items():
-            if key in _GRAPH_ONLY_MODEL_KEYS:
+            if key in _PIPELINE_MODEL_KEYS:
+                self.pipeline_keys[key] = value   # read by parallelism(); dropped there without stages
+            elif key in _GRAPH_ONLY_MODEL_KEYS:
                 self.dropped.append(f"model.model_config.{key}")
             elif key == "moe_token_drop_policy" and not isinstance(value, str):
                 # graph configs write False for "no dropping"; PyNative names a policy or leaves it out
@@ -303,9 +404,9 @@ class _Converter:
             model[target] = value
             present.add(target)
 
-    def parallelism(self) -> dict:
+    def parallelism(self, model: dict) -> dict:
         pc = self.section("parallel_config")
-        used = {"data_parallel", "model_parallel", "expert_parallel", "context_parallel"}
+        used = {"data_parallel", "model_parallel", "expert_parallel", "context_parallel", "pipeline_stage"}
         dp = _int(pc.get("data_parallel", 1), "parallel_config.data_parallel", 1)
         tp = _int(pc.get("model_parallel", 1), "parallel_config.model_parallel", 1)
         ep = _int(pc.get("expert_parallel", 1), "parallel_config.expert_parallel", 1)
@@ -314,31 +415,95 @@ class _Converter:
         micro = _int(pc.get("micro_batch_num", 1), "parallel_config.micro_batch_num", 1)
         if pp > 1:
             used.add("micro_batch_num")  # it is graph mode's accumulation count then
-            self.notes.append(f"parallel_config.pipeline_stage: {pp} dropped (no pipeline parallelism in "
-                              "PyNative); its stages become data-parallel ranks")
         _leftovers("parallel_config", pc, used, self.dropped)
 
         parallelism = {"data_parallel_shard": -1, "data_parallel_shard_strategy": "optim_grads_params",
                        "tensor_parallel": tp, "expert_parallel": ep}
         if cp > 1:
             parallelism["context_parallel"] = cp
+        if pp > 1:
+            self.stage_ranges = self.pipeline(model, pp, parallelism)
+        else:
+            self.dropped.extend(f"model.model_config.{k}" for k in self.pipeline_keys)
+            self.stage_ranges = [(0, _decoder_layers(model))]
+        self.pipeline_shape = (pp, len(self.stage_ranges) // pp)
+        stage_ranges = self.stage_ranges
         self.out["parallelism"] = parallelism
-        layout = dp * tp * cp
+        layout = dp * tp * cp * pp
         self.notes.append(f"layout: data_parallel {dp} × tensor_parallel {tp}"
                           + (f" × context_parallel {cp}" if cp > 1 else "")
+                          + (f" × pipeline_parallel {pp}" if pp > 1 else "")
                           + f" = {layout} devices keeps graph mode's data-parallel size (data_parallel_shard: "
                           "-1 shards over all data-parallel ranks)")
         if self.world_size is not None:
             w = _positive_int(self.world_size, "--world-size")
-            if w % (tp * cp):
-                raise ConfigError(f"--world-size: {w} is not divisible by tensor_parallel × context_parallel "
-                                  f"= {tp * cp}")
+            if w % (tp * cp * pp):
+                raise ConfigError(f"--world-size: {w} is not divisible by tensor_parallel × context_parallel × "
+                                  f"pipeline_parallel = {tp * cp * pp}")
             if w % ep:
                 raise ConfigError(f"--world-size: {w} is not divisible by expert_parallel = {ep}")
             if w != layout:
-                self.notes.append(f"--world-size {w}: data_parallel becomes {w // (tp * cp)} (graph: {dp}); the "
-                                  "global batch is kept, so the accumulation steps change")
-        return {"dp": dp, "tp": tp, "cp": cp, "pp": pp, "micro": micro}
+                self.notes.append(f"--world-size {w}: data_parallel becomes {w // (tp * cp * pp)} (graph: {dp}); "
+                                  "the global batch is kept, so the accumulation steps change")
+        return {"dp": dp, "tp": tp, "cp": cp, "pp": pp, "micro": micro, "stage_ranges": stage_ranges}
+
+    def pipeline(self, model: dict, pp: int, parallelism: dict) -> list[tuple[int, int]]:
+        """``pipeline_stage`` P > 1: the pipeline keys, and the stages' layers as graph mode places them."""
+        graph_parallel = _section(self.g, "parallel")
+        pipe_cfg = graph_parallel.get("pipeline_config") or {}
+        if not isinstance(pipe_cfg, dict):
+            raise ConfigError(f"parallel.pipeline_config: expected a mapping, got {pipe_cfg!r}")
+        if "pipeline_config" in graph_parallel:
+            self.used_top.add("parallel")
+            _leftovers("parallel", graph_parallel, {"pipeline_config"}, self.dropped)
+            _leftovers("parallel.pipeline_config", pipe_cfg, {"pipeline_interleave", "pipeline_scheduler"},
+                       self.dropped)
+        scheduler = pipe_cfg.get("pipeline_scheduler", "1f1b")
+        if scheduler not in _GRAPH_SCHEDULERS:
+            raise ConfigError(f"parallel.pipeline_config.pipeline_scheduler: {scheduler!r} has no PyNative "
+                              f"counterpart; supported: {', '.join(_GRAPH_SCHEDULERS)}")
+        requested_v = _int(self.pipeline_keys.get("pp_interleave_num", 1) or 1, "model.model_config.pp_interleave_num", 1)
+        # MindFormers' LayerSetting reads pp_interleave_num only when MindSpore's pipeline_interleave is on
+        interleave = requested_v if pipe_cfg.get("pipeline_interleave", False) else 1
+        if requested_v > 1 and interleave == 1:
+            self.notes.append(f"model.model_config.pp_interleave_num: {requested_v} has no effect in graph mode without "
+                              "parallel.pipeline_config.pipeline_interleave: true; one stage per rank")
+        schedule = _GRAPH_SCHEDULERS[scheduler]
+        if scheduler.startswith("seq"):
+            self.notes.append(f"parallel.pipeline_config.pipeline_scheduler: {scheduler} (sequence-chunked) has no "
+                              f"PyNative counterpart; {schedule} runs the same arithmetic"
+                              + (" (interleaved with pp_interleave_num > 1)" if interleave > 1 else ""))
+        num_layers = _decoder_layers(model)
+        offset = self.pipeline_keys.get("offset", 0)
+        self.zbv = schedule == "zbv"
+        ranges = graph_stage_ranges(num_layers, offset, pp, interleave, zbv=self.zbv)
+        parallelism["pipeline_parallel"] = pp
+        parallelism["pipeline_parallel_schedule"] = schedule
+        if interleave > 1:
+            parallelism["pipeline_parallel_interleave_num"] = interleave
+        elif "pp_interleave_num" in self.pipeline_keys and requested_v == 1:
+            self.dropped.append("model.model_config.pp_interleave_num")   # 1: nothing to carry over
+        even = num_layers % (pp * interleave) == 0 and all(b - a == num_layers // (pp * interleave) for a, b in ranges)
+        spec = layers_per_stage_spec(ranges, pp)
+        if not even:
+            parallelism["pipeline_parallel_layers_per_stage"] = spec
+        self.notes.append(f"parallel_config.pipeline_stage {pp}" + (f" x pp_interleave_num {interleave}" if interleave > 1
+                                                                  else "")
+                          + f", offset {offset!r}: decoder layers per stage {spec}"
+                          + (" (the even split, pipeline_parallel_layers_per_stage auto)" if even else "")
+                          + "; the last stage also holds the MTP layers")
+        return ranges
+
+    def check_pipeline(self, model: dict, parallel: dict, training: dict) -> None:
+        """The pipeline keys as ``lit_moe fit`` checks them: schedule, stages, micro-batches, MTP."""
+        if parallel["pp"] <= 1:
+            return
+        from lit_moe.config import build_section
+        from lit_moe.model import DeepseekV3Config
+        from lit_moe.strategies.pipeline import check_pipeline_run
+
+        parallelism = build_section(ParallelismConfig, self.out["parallelism"], "parallelism")
+        check_pipeline_run(parallelism, DeepseekV3Config(**model), parallel["micro"], training["global_batch_size"])
 
     def training(self, parallel: dict) -> dict:
         rc = self.section("runner_config")
@@ -471,26 +636,59 @@ class _Converter:
             self.out["recompute_comm"] = {"enable": False}
 
     def _full_layers(self, spec: Any, total: int) -> list[str]:
-        """``True``: every layer; ``N``: the first N; ``[n_0, n_1, ...]``: the first n_s layers of each
-        pipeline stage (layers split evenly; graph mode's ``offset`` is not applied)."""
+        """``True``: every layer; ``N``: the first N; ``[n_0, ..., n_{P-1}]``: the first n_r layers of each
+        pipeline rank r, given out over its interleave chunks in turn (MindFormers'
+        ``_alloc_recompute_layer``); ``[[...], ...]``: the first n layers of each chunk of each rank.
+        The stages are graph mode's (``offset`` applied); ``True``/``False`` entries mean all/none."""
         if spec is True:
             return [f"0-{total - 1}"]
         if isinstance(spec, int) and not isinstance(spec, bool):
             n = min(spec, total)
             return [f"0-{n - 1}"] if n > 0 else []
-        if isinstance(spec, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in spec):
-            per_stage = math.ceil(total / len(spec))
-            out = []
-            for s, n in enumerate(spec):
-                lo = s * per_stage
-                hi = min(lo + min(n, per_stage), total) - 1
-                if hi >= lo:
-                    out.append(f"{lo}-{hi}")
-            self.notes.append(f"recompute_config.recompute: per-stage counts {list(spec)} → layers {out} "
-                              f"({per_stage} layers per stage)")
-            return out
-        raise ConfigError(f"recompute_config.recompute: expected true/false, a layer count or per-stage counts, "
-                          f"got {spec!r}")
+        name = "recompute_config.recompute"
+        if not isinstance(spec, (list, tuple)):
+            raise ConfigError(f"{name}: expected true/false, a layer count or per-stage counts, got {spec!r}")
+        pp = self.pipeline_shape[0]
+        ranges = self.stage_ranges
+        V = len(ranges) // pp
+
+        def stage(chunk: int, rank: int) -> int:   # zbv: chunk 1 runs from the last rank back
+            return chunk * pp + (pp - 1 - rank if self.zbv and chunk == 1 else rank)
+
+        def count(n: Any, size: int) -> int:
+            if isinstance(n, bool):
+                return size if n else 0
+            if not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{name}: per-stage counts must be non-negative integers or booleans, got {spec!r}")
+            return min(n, size)
+
+        sizes = [[ranges[stage(c, r)][1] - ranges[stage(c, r)][0] for r in range(pp)] for c in range(V)]
+        picked = [[0] * pp for _ in range(V)]
+        if all(not isinstance(n, (list, tuple)) for n in spec):
+            if len(spec) != pp:
+                raise ConfigError(f"{name}: per-stage counts {list(spec)} need one entry per pipeline stage "
+                                  f"(parallel_config.pipeline_stage {pp})")
+            for r, n in enumerate(spec):
+                left = count(n, sum(sizes[c][r] for c in range(V)))
+                while left:                       # one layer per chunk in turn (MindFormers)
+                    for c in range(V):
+                        if left and picked[c][r] < sizes[c][r]:
+                            picked[c][r] += 1
+                            left -= 1
+        else:
+            if len(spec) != V or any(not isinstance(row, (list, tuple)) or len(row) != pp for row in spec):
+                raise ConfigError(f"{name}: per-chunk counts {spec!r} need {V} list(s) (pp_interleave_num) of {pp} "
+                                  "entries (pipeline_stage)")
+            picked = [[count(n, sizes[c][r]) for r, n in enumerate(row)] for c, row in enumerate(spec)]
+        out = []
+        for c in range(V):
+            for r in range(pp):
+                lo = ranges[stage(c, r)][0]
+                if picked[c][r]:
+                    out.append(f"{lo}-{lo + picked[c][r] - 1}")
+        out.sort(key=lambda x: int(x.split("-")[0]))
+        self.notes.append(f"{name}: per-stage counts {list(spec)} → layers {out} (stages {ranges})")
+        return out
 
     def train_dataset(self) -> None:
         ds = self.section("train_dataset")
@@ -585,6 +783,12 @@ def _model_aliases() -> dict[str, str]:
     except ImportError:  # pragma: no cover - the model package is always present in a release
         return {}
     return dict(ALIASES)
+
+
+def _decoder_layers(model: dict) -> int:
+    from lit_moe.model import DeepseekV3Config
+
+    return DeepseekV3Config(**model).num_hidden_layers
 
 
 def _total_layers(model: dict) -> int:

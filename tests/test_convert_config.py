@@ -28,7 +28,6 @@ EXPECTED_DROPPED = {
     "runner_config.sink_mode", "runner_config.sink_size", "optimizer.swap",
     "train_dataset.data_loader.config.seed", "train_dataset.data_loader.config.num_dataset_builder_threads",
     "train_dataset_task", "context.mode", "context.device_target", "context.max_device_memory",
-    "parallel_config.pipeline_stage",
     "parallel_config.micro_batch_num", "parallel_config.use_seq_parallel",
     "parallel_config.gradient_aggregation_group", "micro_batch_interleave_num", "parallel", "use_legacy",
     "model.model_config.offset", "model.model_config.pp_interleave_num",
@@ -152,16 +151,127 @@ def test_warmup_ratio_round_trips_every_step_count():
     assert warmup_ratio_for(5, 4) is None
 
 
-def test_pipeline_accumulates_micro_batch_num():
+def pipeline_graph(pp: int, layers: int, offset=None, interleave=None, scheduler=None, micro: int = 8, **sections):
     g = small_graph(runner_config={"batch_size": 1, "gradient_accumulation_steps": 8},
-                    parallel_config={"data_parallel": 2, "model_parallel": 1, "pipeline_stage": 4,
-                                     "micro_batch_num": 16})
-    result = quiet_convert(g)
+                    parallel_config={"data_parallel": 2, "model_parallel": 1, "pipeline_stage": pp,
+                                     "micro_batch_num": micro}, **sections)
+    mc = g["model"]["model_config"]
+    mc["num_hidden_layers"] = layers
+    if offset is not None:
+        mc["offset"] = offset
+    if interleave is not None:
+        mc["pp_interleave_num"] = interleave
+    if scheduler is not None or interleave:
+        g["parallel"] = {"parallel_mode": 1, "pipeline_config": {"pipeline_interleave": bool(interleave),
+                                                                 "pipeline_scheduler": scheduler or "1f1b"}}
+    return g
+
+
+def test_pipeline_accumulates_micro_batch_num():
+    result = quiet_convert(pipeline_graph(4, 8, micro=16))
     # seed 003: under pipeline parallelism graph mode ignores gradient_accumulation_steps; micro_batch_num
     # micro-batches are accumulated: 16 × dp 2 × batch 1
     assert result.pynative["training"]["global_batch_size"] == 32
-    assert "parallel_config.pipeline_stage" in result.dropped
+    assert "parallel_config.pipeline_stage" not in result.dropped
     assert "parallel_config.micro_batch_num" not in result.dropped
+    # 8 layers over 4 stages, offset absent (0): the even split, auto
+    par = result.pynative["parallelism"]
+    assert par["pipeline_parallel"] == 4 and par["pipeline_parallel_schedule"] == "1f1b"
+    assert "pipeline_parallel_layers_per_stage" not in par and "pipeline_parallel_interleave_num" not in par
+    assert any("['0-1', '2-3', '4-5', '6-7'] (the even split" in n for n in result.notes)
+
+
+def _layout(pyn: dict):
+    """The stages ``lit_moe fit`` builds from the converted section (lit_moe's own reader)."""
+    from lit_moe.config import build_section
+    from lit_moe.strategies.pipeline import PipelineLayout
+
+    par = build_section(ParallelismConfig, pyn["parallelism"], "parallelism")
+    return PipelineLayout.from_config(par, pyn["model"]["num_hidden_layers"])
+
+
+def test_pipeline_offset_list_moves_layers_between_stages():
+    # 10 layers / 4 stages: 2 each, remainder 2 = sum of the offset; stage s gets 2 + offset[s]
+    result = quiet_convert(pipeline_graph(4, 10, offset=[1, 0, 0, 1]))
+    par = result.pynative["parallelism"]
+    assert par["pipeline_parallel_layers_per_stage"] == ["0-2", "3-4", "5-6", "7-9"]
+    assert _layout(result.pynative).ranges == ((0, 3), (3, 5), (5, 7), (7, 10))
+    assert "model.model_config.offset" not in result.dropped
+
+
+def test_pipeline_interleaved_offsets_per_chunk():
+    # pp 2 x V 2 = 4 stages of 10 layers: 2 each + remainder 2; stage (chunk c, rank r) = c*2 + r gets
+    # 2 + offset[c][r]: [[3, 2], [2, 3]] -> stages 0-2 | 3-4 | 5-6 | 7-9; rank 0 holds stages 0 and 2
+    result = quiet_convert(pipeline_graph(2, 10, offset=[[1, 0], [0, 1]], interleave=2, micro=4))
+    par = result.pynative["parallelism"]
+    assert par["pipeline_parallel_interleave_num"] == 2 and par["pipeline_parallel_schedule"] == "1f1b"
+    assert par["pipeline_parallel_layers_per_stage"] == ["0-2,5-6", "3-4,7-9"]
+    layout = _layout(result.pynative)
+    assert layout.schedule == "interleaved_1f1b"          # 1f1b with V > 1, as MindFormers
+    assert layout.ranges == ((0, 3), (3, 5), (5, 7), (7, 10))
+    assert "parallel" not in result.dropped and "parallel.parallel_mode" in result.dropped
+    # one flat offset list is broadcast to both chunks (numpy, as MindFormers): 11 layers, remainder 3,
+    # [2, 1] -> [[4, 3], [4, 3]] = 14 > 11: layers are given out in order, the last stage keeps 0 -> refused
+    with pytest.raises(ConfigError, match=r"offset: \[2, 1\] leaves pipeline stage 3 .* without decoder layers"):
+        quiet_convert(pipeline_graph(2, 11, offset=[2, 1], interleave=2, micro=4))
+    # pp_interleave_num without MindSpore's pipeline_interleave switch has no effect in graph mode
+    g = pipeline_graph(2, 8, interleave=2, micro=4)
+    g["parallel"]["pipeline_config"]["pipeline_interleave"] = False
+    result = quiet_convert(g)
+    assert "pipeline_parallel_interleave_num" not in result.pynative["parallelism"]
+    assert any("pp_interleave_num: 2 has no effect" in n for n in result.notes)
+
+
+def test_pipeline_zero_bubble_v_reverses_the_second_chunk():
+    # zero_bubble_v: chunk 1 runs from rank 1 back to rank 0, so offset[1] (per rank) is reversed into
+    # pipeline order: 12 layers, 3 per stage; [[0, 0], [1, -1]] -> chunk 1 in pipeline order: rank 1 (2), rank 0 (4)
+    g = pipeline_graph(2, 12, offset=[[0, 0], [1, -1]], interleave=2, scheduler="zero_bubble_v", micro=4)
+    g["model"]["model_config"]["num_nextn_predict_layers"] = 0    # zbv puts first and last stage on rank 0
+    result = quiet_convert(g)
+    par = result.pynative["parallelism"]
+    assert par["pipeline_parallel_schedule"] == "zbv"
+    layout = _layout(result.pynative)
+    assert layout.ranges == ((0, 3), (3, 6), (6, 8), (8, 12))
+    assert [layout.rank_of(s) for s in range(4)] == [0, 1, 1, 0]   # rank 0: layers 0-2 and 8-11 = 3 + 4
+
+
+@pytest.mark.parametrize("offset, interleave, match", [
+    ([1, 1, 1, 1], None, r"sum to 4, but MindFormers requires num_layers 10 % \(pipeline_stage 4 x pp_interleave_num 1\) = 2"),
+    ([1, 1], None, r"has 2 entries; it needs one per pipeline stage \(parallel_config.pipeline_stage 4\)"),
+    ([3, -2, 0, 1], None, r"gives the stages \[\[5, 0, 2, 3\]\] decoder layers .* a stage cannot hold fewer than 0 \(first, last\) or 1"),
+    ([[1, 1, 0, 0]], 2, r"must be 2 list\(s\) \(pp_interleave_num\) of 4 integers"),
+])
+def test_pipeline_invalid_offsets_are_one_line(tmp_path, capsys, offset, interleave, match):
+    import re
+
+    with pytest.raises(ConfigError, match=match) as err:
+        quiet_convert(pipeline_graph(4, 10, offset=offset, interleave=interleave))
+    assert "model.model_config.offset" in str(err.value) and "\n" not in str(err.value)
+    path = tmp_path / "graph.yaml"
+    path.write_text(yaml.safe_dump(pipeline_graph(4, 10, offset=offset, interleave=interleave)))
+    assert main([str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.search(match, lines[0])
+
+
+def test_pipeline_recompute_counts_follow_the_offset_stages():
+    # stages 0-2 | 3-4 (offset [1, 0] on 5 layers): the first 2 of stage 0 and the first 1 of stage 1
+    result = quiet_convert(pipeline_graph(2, 5, offset=[1, 0], micro=4, recompute_config={"recompute": [2, 1]}))
+    assert result.pynative["recompute"]["full_recompute_layer"] == ["0-1", "3-3"]
+    # interleaved: rank 0 holds stages 0-2 and 5-6; 3 layers go to its chunks in turn (0, 5, 1);
+    # rank 1 (stages 3-4, 7-9): 1 layer -> 3
+    g = pipeline_graph(2, 10, offset=[[1, 0], [0, 1]], interleave=2, micro=4, recompute_config={"recompute": [3, 1]})
+    assert quiet_convert(g).pynative["recompute"]["full_recompute_layer"] == ["0-1", "3-3", "5-5"]
+    with pytest.raises(ConfigError, match=r"recompute: per-stage counts \[1, 1, 1\] need one entry per pipeline stage"):
+        quiet_convert(pipeline_graph(2, 4, micro=4, recompute_config={"recompute": [1, 1, 1]}))
+
+
+def test_pipeline_micro_batches_and_world_size_are_checked():
+    with pytest.raises(ConfigError, match="training.global_batch_size 4 gives 2 micro-batches"):
+        quiet_convert(pipeline_graph(4, 8, micro=2))
+    with pytest.raises(ConfigError, match="not divisible by tensor_parallel × context_parallel × pipeline_parallel = 4"):
+        quiet_convert(pipeline_graph(4, 8), world_size=6)
+    assert any("data_parallel becomes 4 (graph: 2)" in n for n in quiet_convert(pipeline_graph(4, 8), world_size=16).notes)
 
 
 def test_gradient_accumulation_steps_sets_global_batch():
@@ -174,7 +284,7 @@ def test_gradient_accumulation_steps_sets_global_batch():
      None),
     ({"recompute": 2, "mp_comm_recompute": False}, {"mode": "full", "full_recompute_layer": ["0-1"]},
      {"enable": False}),
-    ({"recompute": [1, 1]}, {"mode": "full", "full_recompute_layer": ["0-0", "2-2"]}, None),
+    ({"recompute": [1]}, {"mode": "full", "full_recompute_layer": ["0-0"]}, None),
     ({"recompute": False, "select_recompute": False}, None, None),
 ])
 def test_recompute_rows(rc, recompute, comm):

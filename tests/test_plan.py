@@ -232,3 +232,251 @@ def test_fit_memory_check_uses_the_exact_bytes_of_the_most_loaded_rank(tmp_path)
             assert remedy in line
         check_fits(model_config, dims, parallelism, None, None, None, "cpu", 1, memory=(want, "test limit"))
     assert refused_only_now == 2       # HSDP and the pipeline: the old lower bound let them through
+
+
+# ----------------------------------------------------------------------------------------------
+# pipelines: activations kept for backward per schedule
+# ----------------------------------------------------------------------------------------------
+def _tiny_pipeline_model(**over) -> dict:
+    section = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, num_nextn_predict_layers=0,
+                   seq_length=64, max_position_embeddings=128, position_embedding_type="rope",
+                   params_dtype="float32", compute_dtype="float32")
+    section.update(over)
+    return section
+
+
+def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute: bool) -> tuple[int, int]:
+    """(bytes of the distinct storages autograd saves in one layer's forward, rows the grouped experts saw)."""
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.model.attention import AttentionContext
+    from lit_moe.model.moe import bucketed_group_rows
+    from lit_moe.strategies.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.init_weights(0)
+    if recompute:
+        apply_recompute(model, {"mode": "full", "full_recompute_layer": [f"0-{cfg.num_hidden_layers - 1}"]}, None)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    S = cfg.seq_length
+    x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
+    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    layer = model.layers[layer_idx]
+    chosen = []
+    hook = (layer.mlp.router.register_forward_hook(lambda m, i, o: chosen.append(o[1]))
+            if hasattr(layer.mlp, "router") else None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, ctx)
+    rows = None
+    if hook is not None:
+        hook.remove()
+        counts = torch.bincount(chosen[0].flatten(), minlength=cfg.n_routed_experts)
+        rows = int(bucketed_group_rows(counts, 16).sum())   # the CPU's padded expert groups
+    return sum(seen.values()), rows
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_layer_activation_model_matches_what_autograd_saves(compute_dtype):
+    """The per-layer model against ``saved_tensors_hooks`` counting one layer's forward on the CPU
+    (dense and MoE layer, with and without full recompute; fp32 and bf16 compute with fp32 weights)."""
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model(compute_dtype=compute_dtype))
+    B, S = 2, cfg.seq_length
+    for layer_idx in (0, 1):                      # dense, MoE
+        for recompute in (False, True):
+            measured, rows = _saved_bytes_of_one_layer(cfg, layer_idx, B, recompute)
+            modelled = layer_activation_bytes(cfg, layer_idx, B * S, B, S, recompute=recompute, core_attention="math",
+                                              expert_rows=rows)
+            if not recompute:
+                modelled += per_forward_bytes(cfg, B * S)   # the rotary angles, fresh for this one layer
+            assert abs(modelled / measured - 1) < 0.02, (compute_dtype, layer_idx, recompute, modelled, measured)
+            if recompute:   # only the layer input is kept
+                assert measured == B * S * cfg.hidden_size * cfg.torch_dtype("compute_dtype").itemsize
+
+
+class _KeptBytes:
+    """Live bytes of distinct storages: ``saved`` (packed by autograd; parameters left out) and ``grads``
+    (the output gradients torch's split backward keeps for the weight step), each released when freed."""
+
+    def __init__(self, params):
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.live = {"saved": 0, "grads": 0}
+        self.seen: set[int] = set()
+
+    def add(self, t, kind: str) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or key in self.seen or not storage.nbytes():
+            return
+        self.seen.add(key)
+        self.live[kind] += storage.nbytes()
+        weakref.finalize(storage, self._free, key, kind, storage.nbytes())
+
+    def _free(self, key, kind, n) -> None:
+        self.seen.discard(key)
+        self.live[kind] -= n
+
+    def add_weight_grad_inputs(self, param_groups) -> None:
+        for group in param_groups:
+            for grads in group["grads"]:
+                for t in grads:
+                    if t is not None:
+                        self.add(t, "grads")
+
+    def pack(self, t):
+        self.add(t, "saved")
+        return t.detach()   # t itself would make a grad_fn cycle that a split backward never frees
+
+
+def test_split_backward_keeps_what_the_zero_bubble_plan_says():
+    """The zero-bubble part of the plan against torch's own split backward (``stage_backward_input`` /
+    ``stage_backward_weight``, what ``PipelineStage`` runs for I and W) on the two kinds of stages that
+    have one: a middle stage (dense + MoE layer) and the last stage (MoE layer + final norm + loss head),
+    two micro-batches each in the order F F I I W W. Checked: the input-gradient step frees (almost)
+    nothing of what the forwards saved (measured against :func:`layer_activation_bytes`) and keeps the
+    output gradients :func:`layer_weight_grad_bytes` / :func:`head_weight_grad_bytes` count (exactly);
+    each weight-gradient step frees its micro-batch's both; after the last one nothing is left; the
+    gradients equal a plain full backward's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model.moe import bucketed_group_rows
+    from lit_moe.strategies.activation_memory import (head_bytes, head_weight_grad_bytes, layer_activation_bytes,
+                                                      layer_weight_grad_bytes, per_forward_bytes)
+    from lit_moe.strategies.pipeline import DeepseekV3Stage
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model())
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.init_weights(0)
+    S, H = cfg.seq_length, cfg.hidden_size
+    for layers, last in (([0, 1], False), ([2, 3], True)):
+        stage = DeepseekV3Stage(model, layers, first=False, last=last)
+        params = list(stage.parameters())
+        rows: dict[int, list[int]] = {i: [] for i in layers}
+        hooks = [model.layers[i].mlp.router.register_forward_hook(
+            lambda m, i_, o, i=i: rows[i].append(int(bucketed_group_rows(
+                torch.bincount(o[1].flatten(), minlength=cfg.n_routed_experts), 16).sum())))
+            for i in layers if cfg.is_moe_layer(i)]
+        kept = _KeptBytes(params)
+        xs, outs, ids = [], [], []
+        inputs = [torch.randn(1, S, H) for _ in range(2)]
+        for m in range(2):
+            x = inputs[m].clone().requires_grad_()
+            tok = torch.randint(0, cfg.vocab_size, (1, S))
+            with torch.autograd.graph.saved_tensors_hooks(kept.pack, lambda t: t):
+                out = stage(x, tok, labels=tok if last else None)
+            xs.append(x), ids.append(tok), outs.append(out.sum() if last else out)
+        del x, out
+        for h in hooks:
+            h.remove()
+
+        def planned(m: int) -> tuple[int, int]:
+            saved = per_forward_bytes(cfg, S) + (head_bytes(cfg, S) if last else 0)
+            grads = head_weight_grad_bytes(cfg, S) if last else 0
+            for i in layers:
+                r = rows[i][m] if rows[i] else None
+                saved += layer_activation_bytes(cfg, i, S, 1, S, core_attention="math", expert_rows=r)
+                grads += layer_weight_grad_bytes(cfg, i, S, expert_rows=r)
+            return saved, grads
+
+        (saved0, grads0), (saved1, grads1) = planned(0), planned(1)
+        after_forward = kept.live["saved"]
+        assert abs(after_forward / (saved0 + saved1) - 1) < 0.02, (layers, after_forward, saved0 + saved1)
+        groups = []
+        for m in range(2):
+            grad_out = None if last else [torch.ones_like(outs[m])]
+            param_groups = stage_backward_input([outs[m]], grad_out, [xs[m]], iter(params))[1]
+            kept.add_weight_grad_inputs(param_groups)
+            groups.append(param_groups)
+        del grad_out   # the last GEMM's kept gradient is the output gradient itself
+        assert kept.live["saved"] > 0.99 * after_forward, (layers, kept.live, after_forward)
+        assert kept.live["grads"] == grads0 + grads1, (layers, kept.live, grads0 + grads1)
+        input_grads = [x.grad.clone() for x in xs]
+        del outs
+        xs[0] = None   # the stage input: PipelineStage's receive buffer would stay, the test lets it go
+        stage_backward_weight(iter(params), groups.pop(0))
+        assert kept.live["grads"] == grads1, (layers, kept.live, grads1)
+        assert abs(kept.live["saved"] / saved1 - 1) < 0.02, (layers, kept.live, saved1)
+        xs[1] = None
+        stage_backward_weight(iter(params), groups.pop(0))
+        assert kept.live == {"saved": 0, "grads": 0}, (layers, kept.live)
+        # the same gradients as one plain backward of each micro-batch
+        split = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+        stage.zero_grad(set_to_none=True)
+        for m in range(2):
+            x = inputs[m].clone().requires_grad_()
+            out = stage(x, ids[m], labels=ids[m] if last else None)
+            (out.sum() if last else out).backward(None if last else torch.ones_like(out))
+            torch.testing.assert_close(input_grads[m], x.grad, rtol=1e-5, atol=1e-7)
+        plain = {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+        assert split.keys() == plain.keys() and len(plain) == len(params)
+        for n in plain:
+            torch.testing.assert_close(split[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
+        stage.zero_grad(set_to_none=True)
+
+
+def test_schedule_peaks_in_flight():
+    """Stage chunks a rank holds at its peak, from the schedules' action orders: GPipe all A, 1F1B P - r
+    (its warm-up), interleaved 1F1B Megatron's warm-up (P - r - 1)·2 + (V - 1)·P + 1, ZB-V 2P chunks of
+    half a rank's layers (the ZB-V paper: the same peak as 1F1B's first rank)."""
+    from lit_moe.strategies.activation_memory import peak_in_flight
+    from lit_moe.strategies.pipeline import PipelineLayout
+
+    P, A = 4, 8
+    ones = {s: 1 for s in range(2 * P)}
+    for schedule, v, expected in (("gpipe", 1, [A] * P), ("1f1b", 1, [P - r for r in range(P)]),
+                                  ("interleaved_1f1b", 2, [(P - r - 1) * 2 + P + 1 for r in range(P)]),
+                                  ("zbv", 2, [2 * P] * P)):
+        layout = PipelineLayout(P, v, schedule, tuple((i, i + 1) for i in range(P * v)))
+        got = [peak_in_flight(layout, r, A, ones)[1] for r in range(P)]
+        assert got == expected, (schedule, got, expected)
+
+
+def test_plan_prints_pipeline_activations_and_refuses_a_bad_split(tmp_path, capsys):
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import head_bytes, layer_activation_bytes, per_forward_bytes
+
+    cfg = copy.deepcopy(SEED)
+    cfg["model"] = _tiny_pipeline_model()
+    cfg["training"].update(global_batch_size=8, local_batch_size=1)
+    cfg["parallelism"] = {"pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": ["0-2", "3-3"]}
+    cfg.pop("recompute", None)
+    cfg.pop("recompute_comm", None)
+    cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = 64
+    result, text = _run(_write(tmp_path, cfg), 2)
+    # 1f1b, 8 micro-batches: rank 0 keeps 2 micro-batches of layers 0-2, rank 1 one of layer 3
+    model = DeepseekV3Config(**cfg["model"])
+    T = 64
+
+    def stage(layers):
+        return per_forward_bytes(model, T) + sum(layer_activation_bytes(model, i, T, 1, 64) for i in layers)
+
+    assert result["memory"]["activations_by_rank"] == [2 * stage(range(3)), stage([3]) + head_bytes(model, T)]
+    assert "activations saved for backward at the schedule's peak (1f1b, 8 micro-batches" in text
+    assert "pipeline rank 0: " in text and "2 stage chunks in flight" in text
+    # full recompute of every layer: each in-flight micro-batch keeps the stage's layer inputs only
+    cfg["recompute"] = {"mode": "full", "full_recompute_layer": ["0-3"]}
+    result, _ = _run(_write(tmp_path, cfg, "rc.yaml"), 2)
+    assert result["memory"]["activations_by_rank"] == [2 * (per_forward_bytes(model, T) + 3 * T * 64 * 4),
+                                                       per_forward_bytes(model, T) + T * 64 * 4 + head_bytes(model, T)]
+    # an infeasible stage split: one line, exit 2
+    cfg["parallelism"]["pipeline_parallel_layers_per_stage"] = ["0-1", "3-3"]
+    assert main(["--config", _write(tmp_path, cfg, "bad.yaml"), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_parallel_layers_per_stage" in err[0]

@@ -85,3 +85,25 @@ def test_outside_a_scope_or_without_grad_it_is_the_plain_call():
     with torch.no_grad():
         _ScopedForward(lambda t: fn(t), "layers[0]")(x)
     assert gather.calls == 2 and torch.equal(x.grad, torch.ones_like(x) * 2)
+
+
+def test_a_scoped_layer_frees_its_graph_after_a_split_backward():
+    """The zero-bubble schedules' split backward (torch's ``stage_backward_input``, which retains the
+    graph, then ``stage_backward_weight``): everything a scoped layer saved is freed after the weight
+    step. A pack hook that keeps the tensor itself would tie an op's saved output to its own grad_fn
+    (tanh saves its output), a cycle gc cannot break, and the layer's graph would never be freed."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    saved = []
+    m[1].register_forward_hook(lambda mod, i, o: saved.append(weakref.ref(o.untyped_storage())))
+    x = torch.randn(4, 16, requires_grad=True)
+    out = _ScopedForward(m.forward, "m")(x)
+    param_groups = stage_backward_input([out], [torch.ones_like(out)], [x], m.parameters())[1]
+    stage_backward_weight(m.parameters(), param_groups)
+    del out, param_groups
+    gc.collect()
+    assert saved[0]() is None
+    reference = torch.autograd.grad(m(x).sum(), list(m.parameters()))
+    assert all(p.grad is not None and torch.equal(p.grad, r) for p, r in zip(m.parameters(), reference))

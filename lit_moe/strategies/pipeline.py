@@ -388,17 +388,14 @@ def stage_of_parameter(name: str, layout: PipelineLayout, num_layers: int) -> li
 
 
 def in_flight_microbatches(layout: PipelineLayout, rank: int, A: int) -> int:
-    """Micro-batches whose activations a rank holds at its peak, counted in stage chunks of one
-    micro-batch (so interleaved ranks count each of their virtual stages): GPipe keeps all A; 1F1B
-    keeps P - r (Megatron's warm-up); interleaved 1F1B and the zero-bubble schedules keep their
-    warm-up forwards, (P - r - 1)·2 + (V - 1)·P + 1 chunks (Megatron's interleaved warm-up), at most
-    A·V."""
-    P, V = layout.pp, layout.interleave
-    if layout.schedule == "gpipe":
-        return A
-    if layout.schedule == "1f1b":
-        return min(P - rank, A)
-    return min((P - rank - 1) * 2 + (V - 1) * P + 1, A * V)
+    """Micro-batch stage chunks whose activations a rank holds at its peak, from the order the schedule
+    runs its actions (:func:`lit_moe.strategies.activation_memory.peak_in_flight`: a forward adds a
+    chunk, a full backward or a weight-gradient step releases it): GPipe keeps all A; 1F1B keeps P - r
+    (its warm-up); interleaved 1F1B (P - r - 1)·2 + (V - 1)·P + 1 (Megatron's warm-up); the
+    zero-bubble schedules as torch orders them."""
+    from lit_moe.strategies.activation_memory import peak_in_flight
+
+    return peak_in_flight(layout, rank, A, {s: 1 for s in range(layout.num_stages)})[1]
 
 
 def bubble_fraction(layout: PipelineLayout, A: int) -> float:

@@ -5,7 +5,8 @@ group (``torch.testing._internal.distributed.fake_pg``) and the model is paralle
 device exactly as a real run of rank 0 would do it, so the printed per-rank bytes come from the
 local shards the run would hold. Prints the meshes, the data-parallel degree and accumulation
 steps, total and active parameters, per-rank bytes of parameters, gradients and optimizer state,
-and the training FLOPs per token.
+and the training FLOPs per token; for pipelines, per stage the parameter bytes, the bubble fraction
+and the activations each rank keeps for backward at its schedule's peak.
 """
 
 from __future__ import annotations
@@ -217,8 +218,46 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
         for line in plan_stages(layout, mem["params_by_name"], model_config.num_hidden_layers,
                                 model_config.num_nextn_predict_layers > 0, accumulation):
             p(f"  {line}", file=out)
+        activations = pipeline_activations(model_config, layout, dims, accumulation, training.local_batch_size,
+                                           seq_length, recompute, recompute_comm)
+        p(f"  activations saved for backward at the schedule's peak ({layout.schedule}, {accumulation} micro-batches "
+          f"of {training.local_batch_size} x {seq_length} tokens; fused attention kernel"
+          + (", recomputed layers keep their input" if any(activations["recompute_layers"]) else "")
+          + ("; with the output gradients the split backward keeps until each weight-gradient step"
+             if any(row["weight_grad_per_microbatch"] for row in activations["ranks"]) else "") + "):",
+          file=out)
+        for r, row in enumerate(activations["ranks"]):
+            p(f"    pipeline rank {r}: {_fmt_bytes(row['bytes'])} ({row['chunks']} stage chunks in flight x "
+              f"{_fmt_bytes(row['per_microbatch'] / max(len(layout.stages_of(r)), 1))} per chunk on average)", file=out)
+        mem["activations_by_rank"] = [row["bytes"] for row in activations["ranks"]]
     return {"dims": dims, "accumulation": accumulation, "total": total, "active": active, "flops": flops,
             "memory": mem}
+
+
+def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation: int, local_batch_size: int,
+                         seq_length: int, recompute: Any = None, recompute_comm: Any = None,
+                         core_attention: str = "fused") -> dict[str, Any]:
+    """Per pipeline rank, the bytes autograd keeps for backward at the schedule's peak
+    (:mod:`lit_moe.strategies.activation_memory`): one micro-batch of ``local_batch_size`` sequences,
+    ``seq_length / cp`` tokens each and ``heads / tp`` attention heads on a rank. Tensor parallelism's
+    sequence split of the norms and MLPs between attention blocks is not modelled (an over-estimate
+    there). Fully recomputed layers (``recompute.mode: full``) keep only their input."""
+    from lit_moe.strategies.activation_memory import pipeline_activation_plan
+    from lit_moe.strategies.recompute import validate_recompute
+
+    full: frozenset = frozenset()
+    if recompute is not None or recompute_comm is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            full = frozenset(validate_recompute(recompute, recompute_comm, model_config.total_layers).full_layers)
+    seq = seq_length // dims.cp
+    rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq, recompute_layers=full,
+                                    core_attention=core_attention,
+                                    heads=model_config.num_attention_heads // dims.tp,
+                                    weight_copies=False if dims.world_size // dims.pp > 1 else None)
+    return {"ranks": rows, "recompute_layers": full}
 
 
 def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,

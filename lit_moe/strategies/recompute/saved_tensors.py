@@ -203,7 +203,12 @@ class _Scope:
                 for k, o, rec, i in self.entries:
                     if k == key and t.dtype == o.dtype:
                         return _Handle(rec, i, t)
-        return t
+        # detached (the same memory, no grad_fn): keeping the tensor itself would let an op's saved
+        # output hold its own grad_fn, a cycle through C++ that gc cannot break; only a backward
+        # that frees the graph breaks it, so the split backward of the zero-bubble schedules
+        # (retain_graph=True for the input gradients) leaked such graphs (pytorch/pytorch#189025).
+        # Autograd re-attaches grad_fn and version counter when it unpacks.
+        return t.detach()
 
 
 def _unpack(saved: Any) -> torch.Tensor:
