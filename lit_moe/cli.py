@@ -325,10 +325,6 @@ def build_run(cfg: Any) -> Run:
         from lit_moe.strategies.pipeline import check_pipeline_run
 
         check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
-        if training.eval_interval:
-            raise ConfigError(f"training.eval_interval: {training.eval_interval} with parallelism.pipeline_parallel "
-                              f"{dims.pp} is not implemented yet (the evaluation pass runs the whole model on "
-                              "every rank); set eval_interval 0")
 
     try:
         from lit_moe.strategies.recompute import validate_recompute
