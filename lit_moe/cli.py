@@ -553,6 +553,7 @@ def main(args: Optional[list[str]] = None) -> int:
             # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
             LitMoECLI(args={"subcommand": "fit", "fit": cfg})
+        _close_process_group()
     except (ConfigError, ArgumentError) as err:
         print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
         return 2
@@ -563,6 +564,17 @@ def main(args: Optional[list[str]] = None) -> int:
         print(f"lit_moe: {done}", file=sys.stderr)
         return 0
     return exit_status()  # 128 + signal when a preemption signal stopped the run
+
+
+def _close_process_group() -> None:
+    """After a finished fit: every rank waits for the others, then closes its connections. A rank
+    that exits while a peer's gloo thread still finishes the last pipeline transfers tore that
+    peer down ("terminate called without an active exception", seen under pipeline_parallel 4)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -368,44 +368,118 @@ def test_layout_matches_one_process(name, runs, references):
 # ----------------------------------------------------------------------------------------------
 STEP_LINE = re.compile(r"step (\d)/3 \| loss ([0-9.]+) \| aux_loss ([0-9.]+) \| mtp_loss ([0-9.]+) \| lr \S+ \| "
                        r"grad_norm ([0-9.]+)")
+VAL_LINE = re.compile(r"validation step (\d) \| val/loss ([0-9.]+)")
 
 
-def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "") -> dict[int, tuple]:
+def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "", world: int = 0) -> dict:
+    """``lit_moe fit`` of 3 steps (4 layers, MTP, A = 4 / data_parallel), evaluating after every
+    step and logging the MoE metrics (per-expert counts and heatmap too) every step into its own
+    TensorBoard directory. Returns the step lines, the validation losses and that directory."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import tiny_config, write_config
 
+    world = world or pp
     cfg = tiny_config(tmp_path, steps=3, parallelism={"pipeline_parallel": pp})
     cfg["model"].update(num_hidden_layers=4, compute_dtype="float32")
-    cfg["training"].update(local_batch_size=1, global_batch_size=4)
+    cfg["training"].update(local_batch_size=1, global_batch_size=4, eval_interval=1, eval_iters=2)
+    dl = cfg["train_dataset"]["dataloader"]
+    dl["sizes"], dl["config"]["split"] = [48, 8, 0], "6, 1, 0"
+    cfg["monitor"]["tensorboard"]["output_dir"] = str(tmp_path / f"tb_{name}")
+    cfg["monitor"]["moe_monitor"] = {"save_tokens_per_expert_interval": 1}
     cfg["checkpoint"].update(enable_save=save, save_interleaved_steps=2, save_path=str(tmp_path / f"ckpt_{name}"),
                              load_path=load)
     path = write_config(tmp_path, cfg, f"{name}.yaml")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "-m"]
-                if pp > 1 else [sys.executable, "-m"])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m"]
+                if world > 1 else [sys.executable, "-m"])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    return {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in STEP_LINE.finditer(log)}
+    return {"steps": {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in STEP_LINE.finditer(log)},
+            "val": {int(m.group(1)): float(m.group(2)) for m in VAL_LINE.finditer(log)},
+            "tb": tmp_path / f"tb_{name}", "config": path}
 
 
-@pytest.mark.timeout(900)
+def _moe_logged(tb: Path) -> tuple[dict, dict]:
+    """The MoE scalars rank 0 wrote ({tag: {step: value}}) and the heatmap PNGs ({step: bytes})."""
+    from test_callbacks import read_tb, scalars
+
+    acc = read_tb(tb)
+    values = {tag: scalars(acc, tag) for tag in acc.Tags()["scalars"]
+              if tag.startswith("moe/") and not tag.endswith(" vs samples")}   # the same values by samples
+    pngs = {int(p.stem[-8:]): p.read_bytes() for p in tb.glob("lit_moe/version_*/expert_load/*.png")}
+    return values, pngs
+
+
+def _same_moe_metrics(got: dict, want: dict, steps) -> None:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for tag, series in want.items():
+        assert sorted(got[tag]) == sorted(series) == list(steps), (tag, sorted(got[tag]))
+        for step in steps:
+            a, b = got[tag][step], series[step]
+            assert abs(a - b) <= 1e-5 * abs(b) + 1e-8, (tag, step, a, b)
+
+
+def _hf_tensors(tmp_path: Path, config: Path, iteration: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    from lit_moe.checkpoint.convert_hf import main as convert_hf
+
+    out = tmp_path / name
+    assert convert_hf(["--config", str(config), "--checkpoint", str(iteration), "--output", str(out)]) == 0
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+@pytest.mark.timeout(1500)
 def test_fit_and_resume_across_layouts(tmp_path):
-    """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses and global gradient norm of one
-    process; a checkpoint saved at step 2 under pp2 resumes in one process, and one saved in one
-    process resumes under pp2, both continuing exactly as the uninterrupted run."""
+    """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses, global gradient norm,
+    validation loss and every MoE layer's metrics and heatmap of one process; a checkpoint saved at
+    step 2 under pp2 resumes in one process, under pp4 and under pp2·dp2, one saved in one process
+    resumes under pp2, each continuing exactly as the uninterrupted run; the Hugging Face export of
+    the pp2 checkpoint is the one-process run's."""
     one = _fit(tmp_path, "one", 1, save=True)
     pp2 = _fit(tmp_path, "pp2", 2, save=True)
-    assert sorted(one) == sorted(pp2) == [1, 2, 3]
-    for step in one:
-        assert _rel(pp2[step], one[step]) < 1e-5, (step, pp2[step], one[step])
-    to_one = _fit(tmp_path, "pp2_to_one", 1, load=str(tmp_path / "ckpt_pp2" / "iteration_00000002"))
-    to_pp2 = _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))
-    for resumed in (to_one, to_pp2):
-        assert sorted(resumed) == [3]
-        assert _rel(resumed[3], one[3]) < 1e-5, (resumed[3], one[3])
+    assert sorted(one["steps"]) == sorted(pp2["steps"]) == [1, 2, 3]
+    for step in one["steps"]:
+        assert _rel(pp2["steps"][step], one["steps"][step]) < 1e-5, (step, pp2["steps"][step], one["steps"][step])
+    # evaluation after every step through the stages, equal to one process's
+    assert sorted(one["val"]) == sorted(pp2["val"]) == [1, 2, 3]
+    for step in one["val"]:
+        assert _rel(pp2["val"][step], one["val"][step]) < 1e-5, (step, pp2["val"][step], one["val"][step])
+    # MoE metrics: rank 0 logs every MoE layer (both stages', MTP included) as one process does
+    one_moe, one_png = _moe_logged(one["tb"])
+    pp2_moe, pp2_png = _moe_logged(pp2["tb"])
+    assert {t.split("/")[1] for t in one_moe if t.startswith("moe/layer")} == {"layer1", "layer2", "layer3", "layer4"}
+    _same_moe_metrics(pp2_moe, one_moe, [1, 2, 3])
+    assert sorted(one_png) == sorted(pp2_png) == [1, 2, 3]
+    assert all(pp2_png[s] == one_png[s] for s in one_png)   # the same heatmap, layer labels included
+
+    pp2_ckpt = tmp_path / "ckpt_pp2" / "iteration_00000002"
+    resumed = {"pp2_to_one": _fit(tmp_path, "pp2_to_one", 1, load=str(pp2_ckpt)),
+               "pp2_to_pp4": _fit(tmp_path, "pp2_to_pp4", 4, load=str(pp2_ckpt)),
+               "pp2_to_pp2dp2": _fit(tmp_path, "pp2_to_pp2dp2", 2, load=str(pp2_ckpt), world=4),
+               "one_to_pp2": _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))}
+    for name, run in resumed.items():
+        assert sorted(run["steps"]) == [3] and sorted(run["val"]) == [3], name
+        assert _rel(run["steps"][3], one["steps"][3]) < 1e-5, (name, run["steps"][3], one["steps"][3])
+        assert _rel(run["val"][3], one["val"][3]) < 1e-5, (name, run["val"][3], one["val"][3])
+    # pp4 puts the dense layer 0 alone on rank 0 (no MoE layer there): it still logs every layer
+    for name in ("pp2_to_pp4", "pp2_to_pp2dp2"):
+        _same_moe_metrics(_moe_logged(resumed[name]["tb"])[0], {t: {3: v[3]} for t, v in one_moe.items()}, [3])
+
+    # Hugging Face export of the checkpoint a pipeline run saved: the one-process export's tensors
+    want = _hf_tensors(tmp_path, one["config"], tmp_path / "ckpt_one" / "iteration_00000002", "hf_one")
+    got = _hf_tensors(tmp_path, pp2["config"], pp2_ckpt, "hf_pp2")
+    assert set(got) == set(want) and len(want) > 20
+    for key, value in want.items():
+        err = float((got[key].double() - value.double()).norm() / value.double().norm().clamp_min(1e-12))
+        assert err < 1e-5, (key, err)
+    assert (tmp_path / "hf_pp2" / "config.json").read_text() == (tmp_path / "hf_one" / "config.json").read_text()
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":

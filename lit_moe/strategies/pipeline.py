@@ -649,6 +649,23 @@ class PipelineParallel:
                             expert_bias=table[:, E:2 * E].float(), dropped=table[:, 2 * E + 1].float(),
                             assigned=table[:, 2 * E + 2].float())
 
+    def embedding_grad_norm(self) -> Optional[torch.Tensor]:
+        """L2 norm of the input-embedding gradient (the first stage's; the last stage's MTP copy
+        holds the same summed gradient), the same on every rank; None when it has no gradient
+        (a frozen embedding). Every rank calls it: the stages without the embedding take part in
+        the all-reduce over the pipeline that hands the value on."""
+        from lit_moe.strategies.clip import global_grad_norm
+
+        c = self.container
+        device = _local(next(c.parameters())).device
+        vec = torch.zeros(2, dtype=torch.float32, device=device)   # [norm², has a gradient]
+        weight = c.embed_tokens.weight if c.is_first and c.embed_tokens is not None else None
+        if weight is not None and weight.grad is not None:
+            vec[0] = global_grad_norm([weight], group=self.dims.mesh("stage").get_group()).pow(2).to(device)
+            vec[1] = 1.0
+        dist.all_reduce(vec, group=self.dims.mesh("pp").get_group())
+        return None if vec[1].item() == 0 else vec[0].sqrt()
+
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
