@@ -381,7 +381,8 @@ def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "",
     world = world or pp
     cfg = tiny_config(tmp_path, steps=3, parallelism={"pipeline_parallel": pp})
     cfg["model"].update(num_hidden_layers=4, compute_dtype="float32")
-    cfg["training"].update(local_batch_size=1, global_batch_size=4, eval_interval=1, eval_iters=2)
+    # evaluation: the same 2 samples whatever the layout (data-parallel rank r reads sample k·dp + r)
+    cfg["training"].update(local_batch_size=1, global_batch_size=4, eval_interval=1, eval_iters=2 // (world // pp))
     dl = cfg["train_dataset"]["dataloader"]
     dl["sizes"], dl["config"]["split"] = [48, 8, 0], "6, 1, 0"
     cfg["monitor"]["tensorboard"]["output_dir"] = str(tmp_path / f"tb_{name}")
