@@ -134,7 +134,8 @@ def render() -> str:
            "together. Activations are not counted.", "",
            "Top-level keys besides the sections: `callbacks` (user callbacks), `gradient_accumulation_steps` "
            "(graph mode's option, translated into `training.global_batch_size`), MindFormers' `lora_config` "
-           "and `eval_dataset` (parsed; a non-null value is refused: not implemented yet) and "
+           "(LoRA fine-tuning, see below) and `eval_dataset` (the evaluation data, shaped like `train_dataset`; "
+           "see `training.eval_interval`) and "
            "`use_remove_redundant_dataset` (accepted without effect).", ""]
     for section, path in SECTIONS:
         out += _table(section, _load(path))

@@ -328,10 +328,6 @@ def build_run(cfg: Any) -> Run:
         from lit_moe.strategies.pipeline import check_pipeline_run
 
         check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
-        if training.eval_interval:
-            raise ConfigError(f"training.eval_interval: {training.eval_interval} with parallelism.pipeline_parallel "
-                              f"{dims.pp} is not implemented yet (the evaluation pass runs the whole model on "
-                              "every rank); set eval_interval 0")
 
     try:
         from lit_moe.strategies.recompute import validate_recompute
@@ -560,6 +556,7 @@ def main(args: Optional[list[str]] = None) -> int:
             # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
             LitMoECLI(args={"subcommand": "fit", "fit": cfg})
+        _close_process_group()
     except (ConfigError, ArgumentError) as err:
         print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
         return 2
@@ -570,6 +567,17 @@ def main(args: Optional[list[str]] = None) -> int:
         print(f"lit_moe: {done}", file=sys.stderr)
         return 0
     return exit_status()  # 128 + signal when a preemption signal stopped the run
+
+
+def _close_process_group() -> None:
+    """After a finished fit: every rank waits for the others, then closes its connections. A rank
+    that exits while a peer's gloo thread still finishes the last pipeline transfers tore that
+    peer down ("terminate called without an active exception", seen under pipeline_parallel 4)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

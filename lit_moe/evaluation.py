@@ -17,7 +17,9 @@ samples ``[(k·D + r)·b, (k·D + r + 1)·b)`` of the split (``D`` data-parallel
 checkpoint, and a resumed run evaluates exactly what the uninterrupted run does. Samples are read
 by index (no DataLoader, no random state touched; the RNG states are restored after the pass, so
 training continues bit-identically with or without evaluation). Ranks of one tensor/context
-parallel group read the same samples, like training.
+parallel group read the same samples, like training. Under pipeline parallelism the micro-batches
+go forward through the stages (:func:`lit_moe.strategies.pipeline.forward_only`) and the last
+stage's loss reaches every rank of the pipeline before the mean over data-parallel ranks.
 
 The pass costs one host synchronisation (the final all-reduce of the loss); steps without an
 evaluation cost nothing (the check is integer arithmetic on the step count).
@@ -126,20 +128,25 @@ class Evaluation(Callback):
         was_training = model.training
         devices = [device] if device.type == "cuda" else []
         total = torch.zeros((), dtype=torch.float64, device=device)
+        pipeline = getattr(trainer.strategy, "pipeline", None)
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             model.eval()
             try:
-                for k in range(self.eval_iters):
-                    batch = {key: v.to(device, non_blocking=True)
-                             for key, v in self.micro_batch(k, rank, size).items()}
-                    out = model(**batch)
-                    total += out.loss.detach().to(torch.float64)
+                batches = ({key: v.to(device, non_blocking=True) for key, v in self.micro_batch(k, rank, size).items()}
+                           for k in range(self.eval_iters))
+                if pipeline is not None:
+                    # the micro-batches go through the stages; every pipeline rank gets the last
+                    # stage's mean loss
+                    total = pipeline.evaluate(list(batches)).to(device)
+                else:
+                    for batch in batches:
+                        total += model(**batch).loss.detach().to(torch.float64)
+                    total = total / self.eval_iters
             finally:
                 model.train(was_training)
-        total = total / self.eval_iters
         if dist.is_available() and dist.is_initialized():
-            # every rank holds the loss of its micro-batches (ranks of one tp/cp group the same value),
-            # so the mean over the world is the mean over data-parallel ranks
+            # every rank holds the loss of its micro-batches (ranks of one tp/cp group and of one
+            # pipeline the same value), so the mean over the world is the mean over data-parallel ranks
             dist.all_reduce(total)
             total = total / dist.get_world_size()
         return float(total)

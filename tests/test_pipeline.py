@@ -116,6 +116,9 @@ LAYOUTS = {
     # packed documents that differ per micro-batch, and layer 1 recomputed in backward: under 1F1B
     # the recompute of micro-batch m runs after the forward of m+1, and must meet m's masks
     "pp2_cp2_ulysses_docs": _layout(4, 2, cp=2, method="ulysses", docs=True, recompute=True),
+    # zero-bubble schedules with FSDP stages (split input/weight gradients)
+    "pp2_dp2_zbv": _layout(4, 2, schedule="zbv", v=2),
+    "pp2_dp2_interleaved_zb": _layout(4, 2, schedule="interleaved_zb", v=2, mtp=1),
 }
 RTOL_CP = 1e-4    # context parallel sums a loss and its gradients in another order (issue 17's bound)
 
@@ -202,7 +205,34 @@ def reference(mtp: int, docs: bool = False) -> dict:
         out["mtp"].append(float(sums[2]))
         out["bias"].append({str(i): m.router.expert_bias.tolist() for i, m in _moe_by_layer(model).items()})
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # evaluation after training: the plain model's no-grad main loss over the evaluation samples
+    model.eval()
+    with torch.no_grad():
+        losses = [model(input_ids=s[None, :-1], labels=s[None, 1:]).loss.double() for s in eval_samples()]
+    out["val_loss"] = float(torch.stack(losses).mean())
     return out
+
+
+EVAL_SAMPLES = 4
+
+
+def eval_samples() -> torch.Tensor:
+    g = torch.Generator().manual_seed(4321)
+    return torch.randint(0, VOCAB, (EVAL_SAMPLES, SEQ + 1), generator=g)
+
+
+def pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank: int) -> float:
+    """``lit_moe.evaluation.Evaluation``'s pass under the pipeline (micro-batches of one sample,
+    ``EVAL_SAMPLES / dp`` per data-parallel rank: all the samples over the ranks)."""
+    from lit_moe.evaluation import Evaluation
+    from lit_moe.strategies.pipeline import PipelineParallel
+
+    pipeline = PipelineParallel(dims, layout, container, parts, egroup)
+    ev = Evaluation(eval_interval=1, eval_iters=EVAL_SAMPLES // dims.dp, local_batch_size=1)
+    ev.dataset = [{"input_ids": s[:-1].numpy(), "labels": s[1:].numpy()} for s in eval_samples()]
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), pipeline=pipeline),
+                              datamodule=SimpleNamespace(dp_rank=dp_rank, dp_size=dims.dp))
+    return ev.evaluate(trainer, SimpleNamespace(model=container))
 
 
 def _moe_by_layer(model) -> dict:
@@ -283,6 +313,7 @@ def run_layout(name: str, out_dir: Path) -> None:
         out["mtp"].append(float(losses[2]))
         out["grad_norm"].append(float(norm))
         out["bias"].append({str(i): _local(m.router.expert_bias).tolist() for i, m in _moe_by_layer(container).items()})
+    out["val_loss"] = pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank)
     params = {n: _full(p.detach()) for n, p in container.named_parameters()}
     rank = dist.get_rank()
     torch.save({"out": out, "params": params}, out_dir / f"{name}.rank{rank}.pt")
@@ -337,6 +368,8 @@ def test_layout_matches_one_process(name, runs, references):
     seen_bias: set[str] = set()
     for r, res in enumerate(results):
         out = res["out"]
+        # the evaluation pass through the stages: the one-process value on every rank
+        assert _rel(out["val_loss"], ref["val_loss"]) < RTOL, (name, r, out["val_loss"], ref["val_loss"])
         for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
             assert _rel(out[key], ref[key]) < rtol, (name, r, key, out[key], ref[key])
         for step in range(STEPS):
@@ -363,57 +396,121 @@ def test_layout_matches_one_process(name, runs, references):
 # ----------------------------------------------------------------------------------------------
 STEP_LINE = re.compile(r"step (\d)/3 \| loss ([0-9.]+) \| aux_loss ([0-9.]+) \| mtp_loss ([0-9.]+) \| lr \S+ \| "
                        r"grad_norm ([0-9.]+)")
+VAL_LINE = re.compile(r"validation step (\d) \| val/loss ([0-9.]+)")
 
 
-def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "") -> dict[int, tuple]:
+def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "", world: int = 0) -> dict:
+    """``lit_moe fit`` of 3 steps (4 layers, MTP, A = 4 / data_parallel), evaluating after every
+    step and logging the MoE metrics (per-expert counts and heatmap too) every step into its own
+    TensorBoard directory. Returns the step lines, the validation losses and that directory."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import tiny_config, write_config
 
+    world = world or pp
     cfg = tiny_config(tmp_path, steps=3, parallelism={"pipeline_parallel": pp})
     cfg["model"].update(num_hidden_layers=4, compute_dtype="float32")
-    cfg["training"].update(local_batch_size=1, global_batch_size=4)
+    # evaluation: the same 2 samples whatever the layout (data-parallel rank r reads sample k·dp + r)
+    cfg["training"].update(local_batch_size=1, global_batch_size=4, eval_interval=1, eval_iters=2 // (world // pp))
+    dl = cfg["train_dataset"]["dataloader"]
+    dl["sizes"], dl["config"]["split"] = [48, 8, 0], "6, 1, 0"
+    cfg["monitor"]["tensorboard"]["output_dir"] = str(tmp_path / f"tb_{name}")
+    cfg["monitor"]["moe_monitor"] = {"save_tokens_per_expert_interval": 1}
     cfg["checkpoint"].update(enable_save=save, save_interleaved_steps=2, save_path=str(tmp_path / f"ckpt_{name}"),
                              load_path=load)
     path = write_config(tmp_path, cfg, f"{name}.yaml")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "-m"]
-                if pp > 1 else [sys.executable, "-m"])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m"]
+                if world > 1 else [sys.executable, "-m"])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    return {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in STEP_LINE.finditer(log)}
+    return {"steps": {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in STEP_LINE.finditer(log)},
+            "val": {int(m.group(1)): float(m.group(2)) for m in VAL_LINE.finditer(log)},
+            "tb": tmp_path / f"tb_{name}", "config": path}
 
 
-@pytest.mark.timeout(900)
+def _moe_logged(tb: Path) -> tuple[dict, dict]:
+    """The MoE scalars rank 0 wrote ({tag: {step: value}}) and the heatmap PNGs ({step: bytes})."""
+    from test_callbacks import read_tb, scalars
+
+    acc = read_tb(tb)
+    values = {tag: scalars(acc, tag) for tag in acc.Tags()["scalars"]
+              if tag.startswith("moe/") and not tag.endswith(" vs samples")}   # the same values by samples
+    pngs = {int(p.stem[-8:]): p.read_bytes() for p in tb.glob("lit_moe/version_*/expert_load/*.png")}
+    return values, pngs
+
+
+def _same_moe_metrics(got: dict, want: dict, steps) -> None:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for tag, series in want.items():
+        assert sorted(got[tag]) == sorted(series) == list(steps), (tag, sorted(got[tag]))
+        for step in steps:
+            a, b = got[tag][step], series[step]
+            assert abs(a - b) <= 1e-5 * abs(b) + 1e-8, (tag, step, a, b)
+
+
+def _hf_tensors(tmp_path: Path, config: Path, iteration: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    from lit_moe.checkpoint.convert_hf import main as convert_hf
+
+    out = tmp_path / name
+    assert convert_hf(["--config", str(config), "--checkpoint", str(iteration), "--output", str(out)]) == 0
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+@pytest.mark.timeout(1500)
 def test_fit_and_resume_across_layouts(tmp_path):
-    """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses and global gradient norm of one
-    process; a checkpoint saved at step 2 under pp2 resumes in one process, and one saved in one
-    process resumes under pp2, both continuing exactly as the uninterrupted run."""
+    """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses, global gradient norm,
+    validation loss and every MoE layer's metrics and heatmap of one process; a checkpoint saved at
+    step 2 under pp2 resumes in one process, under pp4 and under pp2·dp2, one saved in one process
+    resumes under pp2, each continuing exactly as the uninterrupted run; the Hugging Face export of
+    the pp2 checkpoint is the one-process run's."""
     one = _fit(tmp_path, "one", 1, save=True)
     pp2 = _fit(tmp_path, "pp2", 2, save=True)
-    assert sorted(one) == sorted(pp2) == [1, 2, 3]
-    for step in one:
-        assert _rel(pp2[step], one[step]) < 1e-5, (step, pp2[step], one[step])
-    to_one = _fit(tmp_path, "pp2_to_one", 1, load=str(tmp_path / "ckpt_pp2" / "iteration_00000002"))
-    to_pp2 = _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))
-    for resumed in (to_one, to_pp2):
-        assert sorted(resumed) == [3]
-        assert _rel(resumed[3], one[3]) < 1e-5, (resumed[3], one[3])
+    assert sorted(one["steps"]) == sorted(pp2["steps"]) == [1, 2, 3]
+    for step in one["steps"]:
+        assert _rel(pp2["steps"][step], one["steps"][step]) < 1e-5, (step, pp2["steps"][step], one["steps"][step])
+    # evaluation after every step through the stages, equal to one process's
+    assert sorted(one["val"]) == sorted(pp2["val"]) == [1, 2, 3]
+    for step in one["val"]:
+        assert _rel(pp2["val"][step], one["val"][step]) < 1e-5, (step, pp2["val"][step], one["val"][step])
+    # MoE metrics: rank 0 logs every MoE layer (both stages', MTP included) as one process does
+    one_moe, one_png = _moe_logged(one["tb"])
+    pp2_moe, pp2_png = _moe_logged(pp2["tb"])
+    assert {t.split("/")[1] for t in one_moe if t.startswith("moe/layer")} == {"layer1", "layer2", "layer3", "layer4"}
+    _same_moe_metrics(pp2_moe, one_moe, [1, 2, 3])
+    assert sorted(one_png) == sorted(pp2_png) == [1, 2, 3]
+    assert all(pp2_png[s] == one_png[s] for s in one_png)   # the same heatmap, layer labels included
+
+    pp2_ckpt = tmp_path / "ckpt_pp2" / "iteration_00000002"
+    resumed = {"pp2_to_one": _fit(tmp_path, "pp2_to_one", 1, load=str(pp2_ckpt)),
+               "pp2_to_pp4": _fit(tmp_path, "pp2_to_pp4", 4, load=str(pp2_ckpt)),
+               "pp2_to_pp2dp2": _fit(tmp_path, "pp2_to_pp2dp2", 2, load=str(pp2_ckpt), world=4),
+               "one_to_pp2": _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))}
+    for name, run in resumed.items():
+        assert sorted(run["steps"]) == [3] and sorted(run["val"]) == [3], name
+        assert _rel(run["steps"][3], one["steps"][3]) < 1e-5, (name, run["steps"][3], one["steps"][3])
+        assert _rel(run["val"][3], one["val"][3]) < 1e-5, (name, run["val"][3], one["val"][3])
+    # pp4 puts the dense layer 0 alone on rank 0 (no MoE layer there): it still logs every layer
+    for name in ("pp2_to_pp4", "pp2_to_pp2dp2"):
+        _same_moe_metrics(_moe_logged(resumed[name]["tb"])[0], {t: {3: v[3]} for t, v in one_moe.items()}, [3])
+
+    # Hugging Face export of the checkpoint a pipeline run saved: the one-process export's tensors
+    want = _hf_tensors(tmp_path, one["config"], tmp_path / "ckpt_one" / "iteration_00000002", "hf_one")
+    got = _hf_tensors(tmp_path, pp2["config"], pp2_ckpt, "hf_pp2")
+    assert set(got) == set(want) and len(want) > 20
+    for key, value in want.items():
+        err = float((got[key].double() - value.double()).norm() / value.double().norm().clamp_min(1e-12))
+        assert err < 1e-5, (key, err)
+    assert (tmp_path / "hf_pp2" / "config.json").read_text() == (tmp_path / "hf_one" / "config.json").read_text()
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
 
-
-def test_evaluation_under_a_pipeline_is_one_line(tmp_path):
-    """Evaluation runs the whole model on every rank: with stages it is refused before launching."""
-    from helpers import ROOT, run_cli
-
-    proc = run_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--parallelism.pipeline_parallel", "2",
-                    "--parallelism.pipeline_parallel_layers_per_stage", "[[0],[1,2]]", "--training.eval_interval", "5",
-                    "--trainer.devices", "2"], cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [lines[-1]] and "training.eval_interval" in lines[-1] and "Traceback" not in proc.stderr

@@ -8,7 +8,9 @@ over micro-batches and data-parallel ranks (all CPU tensors, one row per MoE lay
 ``assigned [L]`` (token-expert assignments dropped by the capacity / routed).
 
 Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N.., the ids that
-``recompute`` uses), every ``log_interval`` steps:
+``recompute`` uses), every ``log_interval`` steps (under pipeline parallelism the stages' rows are
+gathered over the pipeline on those steps, so rank 0 reports every layer of the model, as one
+process does):
 ``moe/layer{i}/load_imbalance`` (max/mean tokens per expert), ``moe/layer{i}/aux_loss``,
 ``moe/layer{i}/expert_bias_mean``, ``moe/layer{i}/expert_bias_max_abs`` and, when a capacity is set,
 ``moe/layer{i}/drop_rate`` (dropped/assigned); plus ``moe/max_load_imbalance`` (worst layer) and
@@ -76,6 +78,11 @@ def moe_block_ids(pl_module: Any, n_rows: int) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
+def _pipeline(trainer: Any) -> Any:
+    """The strategy's pipeline (:class:`lit_moe.strategies.pipeline.PipelineParallel`), or None."""
+    return getattr(getattr(trainer, "strategy", None), "pipeline", None)
+
+
 def capacity_is_set(pl_module: Any) -> bool:
     """Whether the model drops tokens by a capacity (then the drop rate is reported)."""
     for config in (getattr(pl_module, "model_config", None),
@@ -132,8 +139,9 @@ class MoEMetrics(Callback):
         self._rows: Optional[list[int]] = None   # rows of the moe tensors to report
         self._names: Optional[list[str]] = None  # their layer names
 
-    def _select(self, pl_module: Any, n_rows: int) -> None:
-        ids = moe_block_ids(pl_module, n_rows)
+    def _select(self, pl_module: Any, n_rows: int, pipeline: Any = None) -> None:
+        # a pipeline run reports the whole model's layers, gathered from every stage
+        ids = pipeline.moe_block_ids() if pipeline is not None else moe_block_ids(pl_module, n_rows)
         if self.target_layers is None:
             rows = list(range(n_rows))
         elif isinstance(self.target_layers, int):
@@ -155,6 +163,11 @@ class MoEMetrics(Callback):
 
             log_dir = tensorboard_log_dir(trainer)
             self.heatmap_dir = str(Path(log_dir) / "expert_load") if log_dir else None
+        pipeline = _pipeline(trainer)
+        if pipeline is not None:
+            if pipeline.moe_block_ids():
+                self._select(pl_module, len(pipeline.moe_block_ids()), pipeline)
+            return
         model = getattr(pl_module, "model", None)
         if hasattr(model, "moe_layers"):
             n = len(list(model.moe_layers()))
@@ -164,15 +177,22 @@ class MoEMetrics(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         m: StepMetrics = pl_module.step_metrics
-        if m.moe is None:
+        pipeline = _pipeline(trainer)
+        if (m.moe is None) if pipeline is None else not pipeline.moe_block_ids():
             return
         moe, step = m.moe, m.step
-        if self._rows is None:
-            self._select(pl_module, moe.tokens_per_expert.shape[0])
         logged = is_log_step(step, self.log_interval)
         experts_due = is_log_step(step, self.expert_interval)
-        if not (logged or experts_due) or not trainer.is_global_zero:
+        if not (logged or experts_due):
             return
+        if pipeline is not None:
+            # each pipeline rank holds its stages' layers (a rank may hold none): every rank takes
+            # part in gathering them, on log steps only
+            moe = pipeline.gather_moe_stats(moe, trainer.strategy.root_device)
+        if not trainer.is_global_zero:
+            return
+        if self._rows is None:
+            self._select(pl_module, moe.tokens_per_expert.shape[0], pipeline)
         writer = tb_writer(trainer)
         samples = m.consumed_samples
         stats = [layer_stats(moe, r) for r in self._rows]

@@ -31,8 +31,12 @@ class SkipLimitExceeded(RuntimeError):
     must not save on this exception (the last saved checkpoint is the last healthy state)."""
 
 
-def _embedding_grad_norm(pl_module: Any) -> Optional[float]:
+def _embedding_grad_norm(pl_module: Any, trainer: Any = None) -> Optional[float]:
     """Global L2 norm of the input-embedding gradient, or None when there is none."""
+    pipeline = getattr(getattr(trainer, "strategy", None), "pipeline", None)
+    if pipeline is not None:   # only some stages hold the embedding: every rank joins its norm's collectives
+        norm = pipeline.embedding_grad_norm()
+        return None if norm is None else to_float(norm)
     model = getattr(pl_module, "model", None)
     embed = getattr(model, "embed_tokens", None)
     weight = getattr(embed, "weight", None)
@@ -79,7 +83,7 @@ class GlobalNormSkipGuard(StepGuard):
         self.consecutive = 0
         self.total_skipped = 0
 
-    def _reasons(self, pl_module: Any, grad_norm: torch.Tensor) -> list[str]:
+    def _reasons(self, pl_module: Any, grad_norm: torch.Tensor, trainer: Any = None) -> list[str]:
         reasons = []
         norm = to_float(grad_norm)
         if not math.isfinite(norm):
@@ -89,7 +93,7 @@ class GlobalNormSkipGuard(StepGuard):
                            f"{self.threshold:g}")
         if self.embedding_threshold is not None:
             # Always computed (when enabled) so that every rank joins the same collectives.
-            emb = _embedding_grad_norm(pl_module)
+            emb = _embedding_grad_norm(pl_module, trainer)
             if emb is not None and not (emb <= self.embedding_threshold):  # NaN counts as too large
                 reasons.append(f"embedding gradient norm {emb:.6g} > embedding_local_norm_threshold "
                                f"{self.embedding_threshold:g}")
@@ -104,7 +108,7 @@ class GlobalNormSkipGuard(StepGuard):
         self.total_skipped = int(state_dict.get("total_skipped", 0))
 
     def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
-        reasons = self._reasons(pl_module, grad_norm)
+        reasons = self._reasons(pl_module, grad_norm, trainer)
         step = steps_done(trainer, pl_module) + 1
         if not reasons:
             self.consecutive = 0

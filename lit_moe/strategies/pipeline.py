@@ -353,13 +353,14 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
-    if layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1:
-        # torch's weight-gradient pass differentiates w.r.t. the registered (sharded) parameters,
-        # which FSDP2's all-gathered copies stand in for in the graph: their gradients would be lost
+    zero_bubble_fsdp = layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1
+    if zero_bubble_fsdp and getattr(parallelism, "reshard_after_forward_policy", "default") == "always":
+        # torch's weight-gradient pass (stage_backward_weight) differentiates w.r.t. the stage's
+        # registered parameters when it runs, which must be the unsharded ones the forward used
         raise PipelineError(
-            f"parallelism.pipeline_parallel_schedule: {layout.schedule} splits weight gradients outside FSDP's hooks "
-            f"and needs pipeline ranks only (world_size = pipeline_parallel), but each stage has {stage_ranks} "
-            "ranks; use 1f1b or interleaved_1f1b")
+            f"parallelism.reshard_after_forward_policy: 'always' cannot be used with pipeline_parallel_schedule "
+            f"{layout.schedule} and {stage_ranks} ranks per stage (the split weight-gradient pass needs the "
+            "parameters the forward gathered); use 'default' or 'never'")
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
@@ -369,6 +370,15 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     if stage_ranks > 1:
         for part in parts:
             apply_fsdp(part, dims, config, parallelism, reduce_in_fp32)
+            if zero_bubble_fsdp:
+                # Zero-bubble schedules split the backward: the input-gradient pass runs first, and
+                # the weight-gradient pass (torch's stage_backward_weight) later takes the gradients
+                # w.r.t. the parameters registered on the stage at that moment. Resharding after
+                # forward would put the sharded parameters back there, so the all-gathered copies
+                # the graph used would get the gradients and lose them. Kept gathered from forward
+                # to the end of the step (ZeRO-2 for parameters); torch's REDUCE_GRAD action
+                # reduce-scatters the gradients and reshards once per step.
+                part.set_reshard_after_forward(False)
     return container, parts
 
 
@@ -614,11 +624,131 @@ class PipelineParallel:
                 out[index[id(m)]] += v.to(out.device)
         return out
 
+    # -- MoE metrics of every stage ---------------------------------------------------------
+    def moe_block_ids(self) -> list[int]:
+        """Block ids of every MoE layer of the whole model (decoder layers, then MTP layers), in the
+        order one process's ``model.moe_layers()`` has them."""
+        c = self.container.config
+        return [i for i in range(c.total_layers) if c.is_moe_layer(i)]
+
+    def local_moe_block_ids(self) -> list[int]:
+        """Block ids of this rank's MoE layers, in ``container.moe_layers()`` order."""
+        return [i for i, block in zip(self.container.block_ids(), self.container.blocks()) if _is_moe(block.mlp)]
+
+    def gather_moe_stats(self, moe: Any, device: torch.device) -> Any:
+        """The whole model's :class:`~lit_moe.step.MoEStepStats` from every pipeline rank's ``moe``
+        (its own MoE layers; None for a rank without any), rows in :meth:`moe_block_ids` order: what
+        one process reports. A collective over the pipeline group (every rank calls it, on log steps
+        only); the stages hold disjoint layers, so a sum of zero-padded rows is the gather. float64:
+        token counts and fp32 biases pass exactly."""
+        from lit_moe.step import MoEStepStats
+
+        c = self.container.config
+        ids = self.moe_block_ids()
+        E = c.n_routed_experts
+        has_aux = float(c.moe_aux_loss_coeff or 0.0) > 0
+        # per row: tokens [E], bias [E], aux, dropped, assigned
+        table = torch.zeros(len(ids), 2 * E + 3, dtype=torch.float64, device=device)
+        if moe is not None:
+            rows = [ids.index(i) for i in self.local_moe_block_ids()]
+            local = torch.cat([moe.tokens_per_expert.double(), moe.expert_bias.double(),
+                               (moe.aux_loss.double() if moe.aux_loss is not None
+                                else torch.zeros(len(rows), dtype=torch.float64))[:, None],
+                               moe.dropped.double()[:, None], moe.assigned.double()[:, None]], dim=1)
+            table[rows] = local.to(device)
+        dist.all_reduce(table, group=self.dims.mesh("pp").get_group())
+        table = table.cpu()
+        return MoEStepStats(tokens_per_expert=table[:, :E].float(), aux_loss=table[:, 2 * E] if has_aux else None,
+                            expert_bias=table[:, E:2 * E].float(), dropped=table[:, 2 * E + 1].float(),
+                            assigned=table[:, 2 * E + 2].float())
+
+    def embedding_grad_norm(self) -> Optional[torch.Tensor]:
+        """L2 norm of the input-embedding gradient (the first stage's; the last stage's MTP copy
+        holds the same summed gradient), the same on every rank; None when it has no gradient
+        (a frozen embedding). Every rank calls it: the stages without the embedding take part in
+        the all-reduce over the pipeline that hands the value on."""
+        from lit_moe.strategies.clip import global_grad_norm
+
+        c = self.container
+        device = _local(next(c.parameters())).device
+        vec = torch.zeros(2, dtype=torch.float32, device=device)   # [norm², has a gradient]
+        weight = c.embed_tokens.weight if c.is_first and c.embed_tokens is not None else None
+        if weight is not None and weight.grad is not None:
+            vec[0] = global_grad_norm([weight], group=self.dims.mesh("stage").get_group()).pow(2).to(device)
+            vec[1] = 1.0
+        dist.all_reduce(vec, group=self.dims.mesh("pp").get_group())
+        return None if vec[1].item() == 0 else vec[0].sqrt()
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Mean main (language-model) loss of ``micro_batches`` through every stage, without
+        gradients (fp64 0-d tensor, the same on every pipeline rank); see :func:`forward_only`."""
+        return forward_only(self.parts, self.layout, self.dims.mesh("pp").get_group(), micro_batches,
+                            seq_divisor=self.dims.tp * self.dims.cp)
+
     def grad_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
         # looked up now: materialising the container (to_empty) replaced its parameter objects
         duplicates = embedding_duplicates(self.container, self.layout, len(self.container.mtp) > 0)
         return pipeline_grad_norm(params, self.dims.mesh("stage").get_group(), self.dims.mesh("pp").get_group(),
                                   duplicates)
+
+
+@torch.no_grad()
+def forward_only(parts: list[DeepseekV3Stage], layout: PipelineLayout, pp_group, micro_batches: list[dict],
+                 seq_divisor: int = 1) -> torch.Tensor:
+    """A no-grad forward of ``micro_batches`` through the stages, in eval mode; returns the mean of
+    the last stage's main loss over them (fp64, 0-d), the same on every rank of ``pp_group``.
+
+    Not a ``torch.distributed.pipelining`` schedule: its ``eval()`` reuses the training schedule,
+    whose micro-batch count is A and whose stage buffers it would re-initialise on each switch
+    between training and evaluation. Here every rank runs its stages in stage order, each over all
+    micro-batches (GPipe's forward: stage s + 1 starts on a micro-batch as soon as stage s sent
+    it), receiving the hidden state from the previous stage's rank and sending its output to the
+    next (tag = receiving stage, so the messages of a rank's several stages cannot cross), any
+    placement (looped or V). The stages' per-step records (losses, balancing losses) are left as
+    the training step made them."""
+    me = dist.get_rank(pp_group)
+    last = layout.num_stages - 1
+    first_ids = micro_batches[0]["input_ids"]
+    device = first_ids.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    batches = [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in micro_batches]
+    kept = [(part.training, list(part.step_stats), part.moe_aux_sum) for part in parts]
+    handed: dict[tuple[int, int], torch.Tensor] = {}   # (stage, micro-batch) -> input from a local stage
+    sends = []
+    try:
+        for part in parts:
+            part.eval()
+        for s, part in zip(layout.stages_of(me), parts):
+            for k, batch in enumerate(batches):
+                if s == 0:
+                    x = batch["input_ids"]
+                elif layout.rank_of(s - 1) == me:
+                    x = handed.pop((s, k))
+                else:
+                    b, S = batch["input_ids"].shape
+                    x = torch.empty(b, S // seq_divisor, part.config.hidden_size, dtype=part.compute_dtype,
+                                    device=device)
+                    dist.recv(x, group=pp_group, group_src=layout.rank_of(s - 1), tag=s)
+                out = part(x, **batch)
+                if s == last:
+                    total += out[0].double()
+                elif layout.rank_of(s + 1) == me:
+                    handed[(s + 1, k)] = out
+                else:
+                    out = out.contiguous()
+                    sends.append((dist.isend(out, group=pp_group, group_dst=layout.rank_of(s + 1), tag=s + 1), out))
+        for work, _ in sends:
+            work.wait()
+    finally:
+        for part, (training, stats, aux) in zip(parts, kept):
+            part.train(training)
+            part.step_stats[:] = stats
+            part.moe_aux_sum = aux
+    # only the last stage's rank holds the sum: the all-reduce hands it to every pipeline rank
+    dist.all_reduce(total, group=pp_group)
+    return total / len(micro_batches)
 
 
 def _embedding_params(model: nn.Module) -> list[nn.Parameter]:
@@ -671,5 +801,5 @@ def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], 
 
 
 __all__ = ["AuxLossBackward", "DeepseekV3Stage", "PipelineError", "PipelineLayout", "PipelineParallel", "PipelineRunner",
-           "SCHEDULES", "embedding_duplicates", "embedding_group", "pipeline_grad_norm", "resolve_schedule",
+           "SCHEDULES", "embedding_duplicates", "embedding_group", "forward_only", "pipeline_grad_norm", "resolve_schedule",
            "split_layers", "split_model"]
