@@ -468,7 +468,7 @@ def _hf_tensors(tmp_path: Path, config: Path, iteration: Path, name: str) -> dic
 def test_fit_and_resume_across_layouts(tmp_path):
     """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses, global gradient norm,
     validation loss and every MoE layer's metrics and heatmap of one process; a checkpoint saved at
-    step 2 under pp2 resumes in one process, under pp4 and under pp2·dp2, one saved in one process
+    step 2 under pp2 resumes in one process, under pp2, pp4 and pp2·dp2, one saved in one process
     resumes under pp2, each continuing exactly as the uninterrupted run; the Hugging Face export of
     the pp2 checkpoint is the one-process run's."""
     one = _fit(tmp_path, "one", 1, save=True)
@@ -490,6 +490,7 @@ def test_fit_and_resume_across_layouts(tmp_path):
 
     pp2_ckpt = tmp_path / "ckpt_pp2" / "iteration_00000002"
     resumed = {"pp2_to_one": _fit(tmp_path, "pp2_to_one", 1, load=str(pp2_ckpt)),
+               "pp2_to_pp2": _fit(tmp_path, "pp2_to_pp2", 2, load=str(pp2_ckpt)),
                "pp2_to_pp4": _fit(tmp_path, "pp2_to_pp4", 4, load=str(pp2_ckpt)),
                "pp2_to_pp2dp2": _fit(tmp_path, "pp2_to_pp2dp2", 2, load=str(pp2_ckpt), world=4),
                "one_to_pp2": _fit(tmp_path, "one_to_pp2", 2, load=str(tmp_path / "ckpt_one" / "iteration_00000002"))}
