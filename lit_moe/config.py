@@ -300,8 +300,10 @@ class TrainStateConfig:
 class TensorBoardConfig:
     output_dir: str = "output/tensorboard"
     """TensorBoard log directory; empty disables TensorBoard."""
-    log_interval: int = 1
-    """Write scalars every N optimizer steps."""
+    log_interval: int = 10
+    """Print the step line and write scalars every N optimizer steps. Default 10 (MindFormers: 1): the
+    step's numbers stay on the device and only log steps wait for them, so a smaller interval costs
+    speed on an accelerator. Also the interval of the skip guard's warnings and of the MoE scalars."""
     queue_size: int = 1000
     """Writer queue size."""
 
@@ -309,8 +311,8 @@ class TensorBoardConfig:
 @dataclass
 class MoEMonitorConfig:
     save_tokens_per_expert_interval: Optional[int] = None
-    """Log per-expert token counts and the expert-load heatmap every N steps (None: every log step for
-    scalars, heatmap every 50)."""
+    """Log per-expert token counts and the expert-load heatmap every N steps (None: 50; MindFormers
+    accepts the key without effect). The per-layer MoE scalars follow ``tensorboard.log_interval``."""
     target_layers: Optional[Union[int, list[int]]] = None
     """Which MoE layers to report: an int for the first N, or a list of layer ids."""
 

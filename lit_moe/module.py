@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lit_moe.config import TrainingConfig
 from lit_moe.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+from lit_moe.optim import step_on_device
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
@@ -34,6 +35,14 @@ Batch = dict[str, torch.Tensor]
 # exactly A batches per call on purpose and accumulates itself, and no hook of ours reads batch_idx.
 for _message in ("You are using the `dataloader_iter` step flavor", "Found `dataloader_iter` argument"):
     warnings.filterwarnings("ignore", message=_message)
+
+
+def _as_float64(t: torch.Tensor) -> torch.Tensor:
+    """A detached 0-d loss as float64 on its device (a DTensor: its full value)."""
+    t = t.detach()
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.to(torch.float64)
 
 
 class LitMoE(LightningModule):
@@ -78,7 +87,7 @@ class LitMoE(LightningModule):
             check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
         self.step_metrics: Optional[StepMetrics] = None   # the last finished step
-        self.skipped_steps = 0
+        self.skipped_steps = 0   # host count; the steps' own skips add up on the device (see the property)
         # Micro-batches of a step whose epoch ran out before the step was complete: the step goes
         # on with the next epoch's first micro-batches (as when every batch was its own call).
         self._carried: list[Batch] = []
@@ -135,13 +144,15 @@ class LitMoE(LightningModule):
     # optimizer
     # ------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        from lit_moe.optim import build_optimizer
+        from lit_moe.optim import DeviceLambdaLR, build_optimizer
         from lit_moe.schedules import build_lr_lambda
 
         peak_lr, lr_lambda = build_lr_lambda(self.lr_scheduler_section, self.training_config.steps)
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         optimizer = build_optimizer(params, self.optimizer_section, peak_lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        # the schedule's position lives on the device: a skipped update does not advance it, and nobody
+        # has to read the skip decision on the host to know that
+        scheduler = DeviceLambdaLR(optimizer, lr_lambda)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------
@@ -158,11 +169,26 @@ class LitMoE(LightningModule):
         self._last_step_end = now
         return now - start
 
+    @property
+    def skipped_steps(self) -> int:
+        """Skipped updates so far in the whole run (reading it is a host sync)."""
+        if self._skipped_on_device is not None:
+            self._skipped_host += int(self._skipped_on_device)
+            self._skipped_on_device = None
+        return self._skipped_host
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host = int(value)
+        self._skipped_on_device: Optional[torch.Tensor] = None
+
     def _reset_step_accumulators(self) -> None:
-        self._loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, aux, mtp (each already / A)
+        # Kept on the device (float64: the sums are those of the host floats they replace, bit for bit);
+        # nothing is read on the host until a log step reads the step's metrics.
+        self._loss_sum: Any = None   # [3]: loss, aux, mtp (each already / A)
         self._has_aux = False
         self._has_mtp = False
-        self._micro_losses: list[float] = []
+        self._micro_losses: list[Any] = []
         self._moe_aux_sum: Optional[torch.Tensor] = None
         self._step_start = time.perf_counter()
         self._tokens = 0
@@ -257,10 +283,11 @@ class LitMoE(LightningModule):
             self.manual_backward(objective / A)
 
             with torch.no_grad():
-                terms = [out.loss, aux if aux is not None else 0.0, mtp if mtp is not None else 0.0]
-                self._loss_sum += torch.tensor([float(t.detach() if torch.is_tensor(t) else t) / A for t in terms],
-                                               dtype=torch.float64)
-            self._micro_losses.append(float(out.loss.detach()) / A)
+                loss = _as_float64(out.loss)
+                terms = torch.stack([loss] + [_as_float64(t) if t is not None else torch.zeros_like(loss)
+                                              for t in (aux, mtp)]) / A
+                self._loss_sum = terms if self._loss_sum is None else self._loss_sum + terms
+                self._micro_losses.append(loss / A)
             self._collect_moe_aux()
             self._tokens += int(batch["input_ids"].numel())
 
@@ -276,6 +303,9 @@ class LitMoE(LightningModule):
         self._moe_aux_sum = vals if self._moe_aux_sum is None else self._moe_aux_sum + vals
 
     def _finish_optimizer_step(self) -> None:
+        """Norm → observers → guards → clip → update → schedule → expert bias, without a host sync:
+        the guards' verdict stays a device tensor and the update, the schedule position and the bias
+        update act on it there (see :func:`lit_moe.optim.step_on_device`)."""
         trainer = self.trainer
         strategy = self.step_strategy
         optimizer = self.optimizers()
@@ -286,30 +316,32 @@ class LitMoE(LightningModule):
         for cb in trainer.callbacks:
             if isinstance(cb, GradientObserver):
                 cb.on_gradients_before_clip(trainer, self, grad_norm)
-        skip = False
+        skip: Optional[torch.Tensor] = None
         for cb in trainer.callbacks:
-            if isinstance(cb, StepGuard) and cb.should_skip(trainer, self, grad_norm):
-                skip = True
-        lr = optimizer.param_groups[0]["lr"]
-        if skip:
-            # Dropping every gradient turns the optimizer step into a no-op for parameters,
-            # moments and per-parameter step counts, while Lightning still counts the step.
-            self.skipped_steps += 1
-            for p in params:
-                p.grad = None
-            optimizer.step()
-        else:
-            strategy.clip_grads_with_norm_(params, self.training_config.max_norm, grad_norm)
-            optimizer.step()
-            scheduler.step()
+            if isinstance(cb, StepGuard):   # every guard is asked (guards may keep state)
+                verdict = cb.should_skip(trainer, self, grad_norm)
+                if not isinstance(verdict, torch.Tensor):   # a host bool: made a device flag without a copy
+                    verdict = torch.full((), bool(verdict), dtype=torch.bool, device=grad_norm.device)
+                verdict = verdict.to(device=grad_norm.device, dtype=torch.bool).reshape(())
+                skip = verdict if skip is None else skip | verdict
+        lrs = scheduler.device_lrs(grad_norm.device)
+        # Clipping scales the gradients on the device (a non-finite norm leaves them alone); on a
+        # skipped step they are not used.
+        strategy.clip_grads_with_norm_(params, self.training_config.max_norm, grad_norm)
+        step_on_device(optimizer, lrs, skip)
+        scheduler.advance(None if skip is None else ~skip)
         optimizer.zero_grad(set_to_none=True)
-        moe = self._update_expert_bias(apply=not skip)
-        self.step_metrics = self._step_metrics(grad_norm, lr, skip, moe)
+        if skip is not None:
+            step_skips = skip.to(torch.int64)
+            self._skipped_on_device = (step_skips if self._skipped_on_device is None
+                                       else self._skipped_on_device + step_skips)
+        moe = self._update_expert_bias(skip)
+        self.step_metrics = self._step_metrics(grad_norm, lrs[0], skip, moe)
 
     # ------------------------------------------------------------------------------------------
     # expert bias and metrics
     # ------------------------------------------------------------------------------------------
-    def _update_expert_bias(self, apply: bool) -> Optional[MoEStepStats]:
+    def _update_expert_bias(self, skip: Optional[torch.Tensor]) -> Optional[MoEStepStats]:
         layers = self.model.moe_layers()
         if not layers:
             return None
@@ -330,8 +362,10 @@ class LitMoE(LightningModule):
             dist.all_reduce(counts, group=group)
             dist.all_reduce(extra, group=group)
             ranks = world_size(group)
-        if apply and self.model_config.moe_router_enable_expert_bias:
-            self.model.update_expert_bias(counts)
+        if self.model_config.moe_router_enable_expert_bias:
+            # A skipped step updates with all-zero counts: sign(0 - 0) = 0 leaves every bias as it was
+            # (no host branch on the skip).
+            self.model.update_expert_bias(counts if skip is None else counts * (~skip).to(counts.dtype))
         else:
             for m in layers:
                 m.tokens_per_expert.zero_()
@@ -341,41 +375,53 @@ class LitMoE(LightningModule):
         coeff = float(self.model_config.moe_aux_loss_coeff or 0.0)
         if self._moe_aux_sum is not None and coeff > 0:
             # Logged per layer without the coefficient, as MindFormers' load_balancing_loss.
-            aux = extra[:, 2].double().cpu() / ranks / self.accumulation_steps / coeff
-        bias = torch.stack([local_tensor(m.router.expert_bias).detach().float().cpu() for m in layers])
-        return MoEStepStats(tokens_per_expert=counts.cpu(), aux_loss=aux, expert_bias=bias,
-                            dropped=extra[:, 0].cpu(), assigned=extra[:, 1].cpu())
+            aux = extra[:, 2].double() / ranks / self.accumulation_steps / coeff
+        bias = torch.stack([local_tensor(m.router.expert_bias).detach().float().clone() for m in layers])
+        return MoEStepStats(tokens_per_expert=counts, aux_loss=aux, expert_bias=bias,
+                            dropped=extra[:, 0], assigned=extra[:, 1])
 
-    def _step_metrics(self, grad_norm, lr, skipped, moe) -> StepMetrics:
-        losses = self._loss_sum.clone()
-        tokens = torch.tensor([float(self._tokens)], dtype=torch.float64)
+    def _step_metrics(self, grad_norm, lr, skip, moe) -> StepMetrics:
+        losses = self._loss_sum
+        if losses is None:   # a step without micro-batches of this rank's own (pipeline stages)
+            losses = torch.zeros(3, dtype=torch.float64, device=grad_norm.device)
+        losses = torch.as_tensor(losses, dtype=torch.float64)
+        tokens: Any = self._tokens
         if is_distributed():
             world = world_size()
-            vec = torch.cat([losses, tokens]).to(self.step_strategy.root_device)
+            device = self.step_strategy.root_device
+            vec = torch.cat([losses.to(device),
+                             torch.full((1,), float(self._tokens), dtype=torch.float64, device=device)])
             dist.all_reduce(vec)
-            vec = vec.cpu()
             losses = vec[:3] / world
             # Every sample reaches all tensor/context-parallel ranks of its data-parallel rank:
-            # count its tokens once.
-            tokens_total = int(round(vec[3].item() / self.step_strategy.batch_replicas))
-        else:
-            tokens_total = int(tokens.item())
+            # count its tokens once (rounded when read).
+            tokens = vec[3] / self.step_strategy.batch_replicas
         step = self.trainer.global_step
+        skipped_steps: Any = self._skipped_host
+        if self._skipped_on_device is not None:
+            skipped_steps = self._skipped_on_device + self._skipped_host
         return StepMetrics(
             step=step,
-            loss=float(losses[0]),
-            aux_loss=float(losses[1]) if self._has_aux else None,
-            mtp_loss=float(losses[2]) if self._has_mtp else None,
-            grad_norm=float(grad_norm),
-            lr=float(lr),
-            skipped=bool(skipped),
-            skipped_steps=self.skipped_steps,
+            loss=losses[0],
+            aux_loss=losses[1] if self._has_aux else None,
+            mtp_loss=losses[2] if self._has_mtp else None,
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skip if skip is not None else False,
+            skipped_steps=skipped_steps,
             consumed_samples=step * self.training_config.global_batch_size,
-            tokens=tokens_total,
+            tokens=tokens,
             step_time=self._step_wall_time(),
             micro_losses=tuple(self._micro_losses),
             moe=moe,
         )
+
+    def on_train_end(self) -> None:
+        # the schedule's host attributes (and the optimizer groups' lr) at the run's final position
+        for config in self.trainer.lr_scheduler_configs:
+            sync = getattr(config.scheduler, "sync_host", None)
+            if sync is not None:
+                sync()
 
     # ------------------------------------------------------------------------------------------
     # checkpoint hooks

@@ -356,3 +356,172 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
              "; ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']:g}"
                        for g in optimizer.param_groups))
     return optimizer
+
+
+# ----------------------------------------------------------------------------------------------
+# the update on the device: learning-rate schedule and skipped steps without host syncs
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _DevicePosition:
+    device: torch.device
+    applied: torch.Tensor            # 0-d int64: updates applied so far (LambdaLR's last_epoch)
+    bound: int                       # host upper bound of ``applied`` (steps taken since it was known)
+    table: Optional[torch.Tensor]    # [rows, groups] float64: base_lr × lr_lambda(k) for k < rows
+
+
+class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` whose position, the number of updates applied, lives on the training device.
+
+    A step whose update a guard skips must not advance the schedule; with the skip decided on the
+    device, the host does not know whether it advanced. So the position is a device counter
+    (:meth:`advance` adds 1 or 0 on the device) and the learning rate is read from a device table of
+    ``base_lr × lr_lambda(k)`` (the same Python expression ``LambdaLR`` evaluates, hence the same
+    values) at that position (:meth:`device_lrs`). The host attributes (``last_epoch``, ``_last_lr``
+    and the optimizer groups' ``lr``) are brought up to date by :meth:`sync_host`, one host read,
+    which ``state_dict`` (checkpoints) calls and the module calls on log steps and at the end of
+    training. A host ``step()`` (LambdaLR's own stepping) still works and moves the device position.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, last_epoch: int = -1) -> None:
+        self._position: Optional[_DevicePosition] = None
+        super().__init__(optimizer, lr_lambda, last_epoch)
+        # a checkpoint (optimizer state with its groups' lr) always carries the current values
+        optimizer.register_state_dict_pre_hook(lambda _opt: self.sync_host())
+
+    # -- device side ------------------------------------------------------------------------
+    def _at(self, device: torch.device) -> _DevicePosition:
+        pos = self._position
+        if pos is None or pos.device != device:
+            self.sync_host()
+            pos = self._position = _DevicePosition(
+                device, torch.full((), self.last_epoch, dtype=torch.int64, device=device), self.last_epoch, None)
+        rows = 0 if pos.table is None else pos.table.shape[0]
+        if pos.bound >= rows:   # the table must cover every position the counter can have reached
+            new_rows = max(pos.bound + 1, 2 * rows, 256)
+            extra = torch.tensor([[base * fn(k) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+                                  for k in range(rows, new_rows)], dtype=torch.float64).to(device)
+            pos.table = extra if pos.table is None else torch.cat([pos.table, extra])
+        return pos
+
+    def device_lrs(self, device: torch.device) -> list[torch.Tensor]:
+        """The learning rate of each group for the coming update, as 0-d float64 tensors on ``device``."""
+        pos = self._at(torch.device(device))
+        return list(torch.index_select(pos.table, 0, pos.applied.view(1))[0].unbind(0))
+
+    def advance(self, applied: Optional[torch.Tensor] = None) -> None:
+        """Count the update just made: ``applied`` (0-d bool on the device) says whether it was
+        applied; None: it was."""
+        pos = self._at(self._position.device if self._position is not None else torch.device("cpu"))
+        pos.applied += 1 if applied is None else applied.to(torch.int64)
+        pos.bound += 1
+
+    # -- host side --------------------------------------------------------------------------
+    def sync_host(self) -> None:
+        """Bring ``last_epoch``, ``_last_lr`` and the groups' ``lr`` up to the device position (a
+        host read of one integer)."""
+        pos = self._position
+        if pos is None:
+            return
+        k = int(pos.applied)
+        pos.bound = k
+        if k != self.last_epoch:
+            self._step_count += k - self.last_epoch   # as if step() had been called once per update
+            self.last_epoch = k
+            values = [base * fn(k) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+            for group, lr in zip(self.optimizer.param_groups, values):
+                group["lr"] = lr
+            self._last_lr = values
+
+    def step(self, epoch: Optional[int] = None) -> None:
+        self.sync_host()
+        super().step(epoch)
+        self._position = None   # rebuilt from last_epoch (and the current lambdas) when next needed
+
+    def state_dict(self) -> dict[str, Any]:
+        self.sync_host()
+        state = super().state_dict()
+        state.pop("_position", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._position = None
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can be told to skip through ``found_inf`` (torch's GradScaler
+    contract, ``_step_supports_amp_scaling``: the fused Adam/AdamW kernels) and takes tensor learning
+    rates: then a skipped update costs nothing and needs no host branch."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def _takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
+    return all(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+
+
+def step_on_device(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor],
+                   skip: Optional[torch.Tensor]) -> None:
+    """``optimizer.step()`` with learning rates ``lrs`` (0-d device tensors, one per group), or no
+    update at all where ``skip`` (0-d bool on the device) is true, without reading either on the host.
+
+    * fused AdamW (the default wherever torch has the kernel): the learning rate goes in as a tensor
+      and the skip as ``found_inf``, with which the kernel leaves parameters and moments alone and
+      torch takes its step-count increment back (the same values as never stepping);
+    * any other optimizer (the generic fallback): parameters and optimizer state are copied before
+      the step and put back with ``torch.where(skip, before, after)``, bit for bit; state the step
+      created is put back to zeros (what Adam, AdamW and Muon start from). It costs a copy of the
+      parameters and state per step. Optimizers that take no tensor learning rate (``foreach``
+      AdamW without ``capturable``, Muon) get it as a Python float: one host read per step, the only
+      sync left on that path (as are torch's own reads of its host-side step counters).
+
+    The groups' ``lr`` entries hold Python floats again afterwards (see :class:`DeviceLambdaLR`).
+    ``optimizer`` may be Lightning's wrapper (its ``step`` runs the strategy's hooks); the flags go to
+    the torch optimizer inside it."""
+    inner = getattr(optimizer, "optimizer", optimizer)   # LightningOptimizer → torch optimizer
+    groups = inner.param_groups
+    host_lrs = [g["lr"] for g in groups]
+    tensor_lr = _takes_tensor_lr(inner)
+    for g, lr in zip(groups, lrs):
+        # CPU kernels read a float64 learning rate exactly; accelerator kernels take fp32 (what they
+        # compute in anyway)
+        g["lr"] = (lr if lr.device.type == "cpu" else lr.float()) if tensor_lr else float(lr)
+    try:
+        if skip is None:
+            optimizer.step()
+        elif skips_on_device(inner):
+            inner.found_inf = skip.to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                del inner.found_inf
+        else:
+            _step_or_restore(optimizer, inner, skip)
+    finally:
+        for g, lr in zip(groups, host_lrs):
+            g["lr"] = lr
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _step_or_restore(optimizer: Any, inner: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+    before_params = [_local(p).detach().clone() for p in params]
+    before_state = {id(p): {k: _local(v).clone() for k, v in inner.state.get(p, {}).items()
+                            if isinstance(v, torch.Tensor)} for p in params}
+    optimizer.step()
+    with torch.no_grad():
+        for p, saved in zip(params, before_params):
+            local = _local(p)
+            local.copy_(torch.where(skip.to(local.device), saved, local))
+        for p in params:
+            saved = before_state[id(p)]
+            for k, v in inner.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                local = _local(v)
+                old = saved.get(k)
+                local.copy_(torch.where(skip.to(local.device), old if old is not None else torch.zeros_like(local),
+                                        local))

@@ -1,9 +1,12 @@
 """The step contract: what one optimizer step produces and who may act on it.
 
 ``LitMoE.training_step`` runs one optimizer step per call (the ``A`` micro-batches of the step, then
-norm → observers → guards → clip → optimizer → schedule → expert bias) and publishes one frozen
+norm → observers → guards → clip → optimizer → schedule → expert bias) and publishes one read-only
 :class:`StepMetrics`. Callbacks read it in ``on_train_batch_end``, which fires once per optimizer
-step; nobody writes into it. Two kinds of callbacks take part in the step itself:
+step; nobody writes into it. The step itself never waits for the device (no host sync): losses,
+norms, counts, the skip decision, the learning rate and the update all stay on the device, and
+:class:`StepMetrics` copies its numbers to the host only when they are read, which the built-in
+callbacks do on log steps only. Two kinds of callbacks take part in the step itself:
 
 * a :class:`GradientObserver` sees the accumulated, pre-clip gradients of every step (skipped ones
   included) and cannot change anything;
@@ -20,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,8 @@ class MoEStepStats:
     """Routing statistics of one step, one row per MoE layer in ``model.moe_layers()`` order (MTP
     layers included), summed over the step's micro-batches and over the data-parallel ranks (the
     tensor-, context- and expert-parallel ranks of one data-parallel rank route the same tokens, so
-    they are counted once). CPU tensors."""
+    they are counted once). Tensors on the training device, as the step left them: reading them is a
+    host sync, so readers do it on log steps only (:meth:`cpu` copies all of them at once)."""
 
     tokens_per_expert: torch.Tensor
     """``[L, E]`` tokens routed to each expert (the counts the expert-bias update used)."""
@@ -47,40 +51,126 @@ class MoEStepStats:
     assigned: torch.Tensor
     """``[L]`` token-expert assignments routed."""
 
+    def cpu(self) -> "MoEStepStats":
+        """The same statistics as CPU tensors (one host sync)."""
+        return MoEStepStats(*(None if t is None else t.cpu() for t in
+                              (self.tokens_per_expert, self.aux_loss, self.expert_bias, self.dropped,
+                               self.assigned)))
 
-@dataclass(frozen=True)
+
+# Fields of StepMetrics that may arrive as tensors on the device and are read on the host lazily.
+_LAZY_FIELDS = ("loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "skipped", "skipped_steps", "tokens",
+                "micro_losses")
+
+
 class StepMetrics:
     """What one optimizer step produced (``LitMoE.step_metrics``, None before the first step).
-    The same on every rank (losses and counts are reduced over ranks before it is built)."""
+    The same on every rank (losses and counts are reduced over ranks before it is built). Read-only.
 
-    step: int
-    """Optimizer steps done, this one included (skipped steps count: ``trainer.global_step``)."""
-    loss: float
-    """Language-model loss of the global batch (mean over micro-batches and ranks)."""
-    aux_loss: Optional[float]
-    """MoE balancing loss (coefficient included), mean like ``loss``; None for a model without it."""
-    mtp_loss: Optional[float]
-    """Multi-token-prediction loss (scaling included), mean like ``loss``; None without MTP."""
-    grad_norm: float
-    """Global L2 norm of the accumulated gradients before clipping (fp32, every mesh)."""
-    lr: float
-    """Learning rate of the first parameter group that this update used."""
-    skipped: bool
-    """A :class:`StepGuard` vetoed this update (parameters, optimizer and schedule untouched)."""
-    skipped_steps: int
-    """Skipped updates so far in the whole run (resumed runs included)."""
-    consumed_samples: int
-    """Global samples trained on so far: ``step × global_batch_size``."""
-    tokens: int
-    """Tokens of this step's global batch, each counted once however many ranks worked on it."""
-    step_time: float
-    """Wall seconds since the previous step ended (data fetching, every micro-batch and the
-    previous step's callbacks included); the first step: since training started."""
-    micro_losses: tuple[float, ...]
-    """This rank's ``1/A``-scaled language-model loss of each micro-batch (their sum is this
-    rank's step loss)."""
-    moe: Optional[MoEStepStats]
-    """Routing statistics; None for a dense model."""
+    The step leaves its numbers on the device: reading any of ``loss``, ``aux_loss``, ``mtp_loss``,
+    ``grad_norm``, ``lr``, ``skipped``, ``skipped_steps``, ``tokens`` or ``micro_losses`` copies all of
+    them to the host at once (one host sync, on the first read; :meth:`materialize` does it
+    explicitly) and gives Python numbers. ``step``, ``consumed_samples``, ``step_time`` and ``moe``
+    cost nothing. Built-in callbacks read the lazy fields on log steps only, so other steps never
+    wait for the device.
+
+    Fields (constructor keywords; the lazy ones take a Python number or a 0-d tensor, ``micro_losses``
+    a sequence of numbers / 0-d tensors or a 1-d tensor):
+
+    * ``step``: optimizer steps done, this one included (skipped steps count: ``trainer.global_step``).
+    * ``loss``: language-model loss of the global batch (mean over micro-batches and ranks).
+    * ``aux_loss``: MoE balancing loss (coefficient included), mean like ``loss``; None for a model
+      without it.
+    * ``mtp_loss``: multi-token-prediction loss (scaling included), mean like ``loss``; None without MTP.
+    * ``grad_norm``: global L2 norm of the accumulated gradients before clipping (fp32, every mesh).
+    * ``lr``: learning rate of the first parameter group that this update used.
+    * ``skipped``: a :class:`StepGuard` vetoed this update (parameters, optimizer and schedule untouched).
+    * ``skipped_steps``: skipped updates so far in the whole run (resumed runs included).
+    * ``consumed_samples``: global samples trained on so far: ``step × global_batch_size``.
+    * ``tokens``: tokens of this step's global batch, each counted once however many ranks worked on it.
+    * ``step_time``: wall seconds since the previous step ended (data fetching, every micro-batch and
+      the previous step's callbacks included); the first step: since training started. Host time:
+      between log steps the host runs ahead of the device, so one step's value is only meaningful
+      averaged over a log interval.
+    * ``micro_losses``: this rank's ``1/A``-scaled language-model loss of each micro-batch (their sum is
+      this rank's step loss).
+    * ``moe``: routing statistics (:class:`MoEStepStats`, device tensors); None for a dense model.
+    """
+
+    __slots__ = ("step", "consumed_samples", "step_time", "moe", "_raw", "_values")
+
+    def __init__(self, *, step: int, loss: Any, aux_loss: Any, mtp_loss: Any, grad_norm: Any, lr: Any,
+                 skipped: Any, skipped_steps: Any, consumed_samples: int, tokens: Any, step_time: float,
+                 micro_losses: Any, moe: Optional[MoEStepStats]) -> None:
+        set_ = object.__setattr__
+        set_(self, "step", int(step))
+        set_(self, "consumed_samples", int(consumed_samples))
+        set_(self, "step_time", float(step_time))
+        set_(self, "moe", moe)
+        set_(self, "_raw", dict(loss=loss, aux_loss=aux_loss, mtp_loss=mtp_loss, grad_norm=grad_norm, lr=lr,
+                                skipped=skipped, skipped_steps=skipped_steps, tokens=tokens,
+                                micro_losses=micro_losses))
+        set_(self, "_values", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StepMetrics is read-only (tried to set {name!r})")
+
+    @property
+    def materialized(self) -> bool:
+        """Whether the lazy fields were already read (reading them again costs nothing)."""
+        return self._values is not None
+
+    def materialize(self) -> "StepMetrics":
+        """Copy every lazy field to the host now (one transfer per device holding them)."""
+        if self._values is not None:
+            return self
+        raw = dict(self._raw)
+        micro = raw.pop("micro_losses")
+        if isinstance(micro, torch.Tensor):
+            micro = list(micro.reshape(-1).unbind(0)) if micro.numel() else []
+        micro = list(micro)
+        items = [(k, v) for k, v in raw.items()] + [(("micro", i), v) for i, v in enumerate(micro)]
+        by_device: dict[torch.device, list] = {}
+        for key, v in items:
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append((key, v))
+        host: dict = {key: v for key, v in items if not isinstance(v, torch.Tensor)}
+        for entries in by_device.values():
+            # float64 holds every fp32 value, the float64 losses and integer counts below 2**53 exactly
+            packed = torch.stack([v.detach().reshape(()).to(torch.float64) for _, v in entries]).cpu()
+            for (key, _), value in zip(entries, packed.tolist()):
+                host[key] = value
+        values = {
+            "loss": float(host["loss"]),
+            "aux_loss": None if host["aux_loss"] is None else float(host["aux_loss"]),
+            "mtp_loss": None if host["mtp_loss"] is None else float(host["mtp_loss"]),
+            "grad_norm": float(host["grad_norm"]),
+            "lr": float(host["lr"]),
+            "skipped": bool(host["skipped"]),
+            "skipped_steps": int(host["skipped_steps"]),
+            "tokens": int(round(host["tokens"])),
+            "micro_losses": tuple(float(host[("micro", i)]) for i in range(len(micro))),
+        }
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_raw", None)   # the device tensors are no longer needed
+        return self
+
+    def _get(self, name: str) -> Any:
+        return self.materialize()._values[name]
+
+    loss = property(lambda self: self._get("loss"), doc="Language-model loss of the global batch.")
+    aux_loss = property(lambda self: self._get("aux_loss"), doc="MoE balancing loss, or None.")
+    mtp_loss = property(lambda self: self._get("mtp_loss"), doc="Multi-token-prediction loss, or None.")
+    grad_norm = property(lambda self: self._get("grad_norm"), doc="Global pre-clip gradient norm.")
+    lr = property(lambda self: self._get("lr"), doc="Learning rate this update used (first group).")
+    skipped = property(lambda self: self._get("skipped"), doc="A StepGuard vetoed this update.")
+    skipped_steps = property(lambda self: self._get("skipped_steps"), doc="Skipped updates so far.")
+    tokens = property(lambda self: self._get("tokens"), doc="Tokens of this step's global batch.")
+    micro_losses = property(lambda self: self._get("micro_losses"), doc="1/A-scaled micro-batch losses.")
+
+    def __repr__(self) -> str:
+        lazy = ", ".join(f"{k}={self._values[k]!r}" for k in _LAZY_FIELDS) if self.materialized else "not read yet"
+        return f"StepMetrics(step={self.step}, consumed_samples={self.consumed_samples}, {lazy})"
 
 
 class GradientObserver(Callback):
@@ -100,11 +190,15 @@ class StepGuard(Callback):
 
     Called after the observers with the accumulated, pre-clip gradients still in place. Every guard
     is asked (no short-circuit: guards may keep state). The answer must be the same on every rank,
-    since the module acts on it collectively. When any guard says True the gradients are dropped and
-    the optimizer and schedule are not stepped; parameters, moments and step counts stay as they
-    were, while the step still counts."""
+    since the module acts on it collectively. When any guard says True the update is dropped: the
+    optimizer and schedule are not advanced, and parameters, moments, step counts and expert biases
+    stay as they were, while the step still counts.
 
-    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> bool:
+    The answer may be a Python bool or a 0-d bool tensor on the training device. A tensor keeps the
+    step free of host syncs: the module acts on it on the device (no host branch), and the guard
+    reports what it decided on log steps."""
+
+    def should_skip(self, trainer: Any, pl_module: Any, grad_norm: torch.Tensor) -> Union[bool, torch.Tensor]:
         raise NotImplementedError
 
 

@@ -20,6 +20,7 @@ import os
 import traceback
 
 import torch
+from lightning.pytorch import Callback
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -108,3 +109,31 @@ class SyncCounter:
         lines = [f"{len(self.calls)} sync-causing call(s):"]
         lines += [f"  {call} at {where}" for call, where in self.calls[:limit]]
         return "\n".join(lines)
+
+
+class StepWindow(Callback):
+    """A Lightning callback (put it last) counting the syncs of one whole optimizer step of a fit:
+    from the end of step ``after``'s ``on_train_batch_end`` to the end of step ``after + 1``'s, so the
+    window holds every hook of one cycle (the loop's bookkeeping, data fetching, ``training_step``
+    and every callback's step end) exactly once. ``StepWindow.counts`` maps the step to its
+    :class:`SyncCounter` (a class attribute, so that a callback built from YAML can be read back)."""
+
+    counts: dict[int, SyncCounter] = {}
+
+    def __init__(self, after: int = 1) -> None:
+        self.after = after
+        self._open: SyncCounter | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self._open is not None and step == self.after + 1:
+            self._open.__exit__(None, None, None)
+            StepWindow.counts[step] = self._open
+            self._open = None
+        elif step == self.after:
+            self._open = SyncCounter().__enter__()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None

@@ -51,3 +51,40 @@ def test_moe_training_forward_backward_and_bias_update_make_no_sync(monkeypatch,
         (out.loss + out.aux_loss).backward()
         model.update_expert_bias()
     assert syncs.count == 0, syncs.report()
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["built-ins", "injected-item"])
+def test_fit_step_without_logging_makes_no_sync(tmp_path, monkeypatch, inject):
+    """A whole non-log optimizer step of ``lit_moe fit`` (LitMoE + Trainer + AscendFSDPStrategy, the
+    built-in callbacks with TensorBoard, A = 2, MoE with the expert-bias update and MTP, the skip guard
+    and clipping on) makes no sync-causing call. Run as if on an accelerator: the CPU-only padded
+    expert rows (which read CPU counts, no device sync) are switched off. The injected variant adds
+    one ``.item()`` of the learning rate inside the optimizer step: the harness must catch it."""
+    import lit_moe.model.moe as moe_mod
+    import lit_moe.module as module_mod
+    from helpers import tiny_config, write_config
+    from lit_moe.cli import main
+    from sync_count import StepWindow
+
+    monkeypatch.setattr(moe_mod, "grouped_mm_row_align", lambda device: 1)
+    if inject:
+        real_step = module_mod.step_on_device
+
+        def step_reading_the_lr(optimizer, lrs, skip):
+            lrs[0].item()
+            return real_step(optimizer, lrs, skip)
+
+        monkeypatch.setattr(module_mod, "step_on_device", step_reading_the_lr)
+    monkeypatch.chdir(tmp_path)
+    StepWindow.counts.clear()
+    cfg = tiny_config(tmp_path, steps=3, monitor={"tensorboard": {"output_dir": str(tmp_path / "tb"),
+                                                                  "log_interval": 10}})
+    assert cfg["training"]["max_norm"] > 0 and cfg["model"]["moe_router_enable_expert_bias"]
+    cfg["callbacks"] = [{"class_path": "sync_count.StepWindow", "init_args": {"after": 1}}]
+    assert main(["fit", "--config", str(write_config(tmp_path, cfg))]) == 0
+    syncs = StepWindow.counts[2]
+    if inject:
+        assert [call for call, where in syncs.calls if "step_reading_the_lr" in where] == [
+            "item", "aten._local_scalar_dense"], syncs.report()
+    else:
+        assert syncs.count == 0, syncs.report()

@@ -75,7 +75,7 @@ def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any
     callbacks.append(GlobalNormSkipGuard(
         global_norm_skip_threshold=hc.global_norm_skip_threshold,
         global_norm_skip_time=hc.global_norm_skip_time,
-        embedding_local_norm_threshold=hc.embedding_local_norm_threshold))
+        embedding_local_norm_threshold=hc.embedding_local_norm_threshold, report_interval=log_interval))
 
     callbacks.append(ThroughputMFU(flops_per_token=_flops_per_token(model_config, seq_length),
                                    peak_flops=peak_flops, log_interval=log_interval))

@@ -2,7 +2,7 @@
 ``MoEDropRateCallback`` (seed 003).
 
 Input: ``step_metrics.moe`` (:class:`lit_moe.step.MoEStepStats`) from the module, already reduced
-over micro-batches and data-parallel ranks (all CPU tensors, one row per MoE layer in
+over micro-batches and data-parallel ranks (device tensors, copied to the host on reported steps only, one row per MoE layer in
 ``model.moe_layers()`` order, MTP layers included): ``tokens_per_expert [L, E]``, ``aux_loss [L]``
 (without the coefficient), ``expert_bias [L, E]`` (after the update), ``dropped [L]`` and
 ``assigned [L]`` (token-expert assignments dropped by the capacity / routed).
@@ -14,7 +14,7 @@ process does):
 ``moe/layer{i}/load_imbalance`` (max/mean tokens per expert), ``moe/layer{i}/aux_loss``,
 ``moe/layer{i}/expert_bias_mean``, ``moe/layer{i}/expert_bias_max_abs`` and, when a capacity is set,
 ``moe/layer{i}/drop_rate`` (dropped/assigned); plus ``moe/max_load_imbalance`` (worst layer) and
-``moe/drop_rate`` (all layers). Every ``save_tokens_per_expert_interval`` steps (default 50; the
+``moe/drop_rate`` (all layers). The statistics stay on the device on other steps (no host sync). Every ``save_tokens_per_expert_interval`` steps (default 50; the
 per-expert series are layers × experts scalars, too many to write every step for a large model):
 ``moe/layer{i}/tokens_per_expert/expert{e}`` and the expert-load heatmap (image ``moe/expert_load``
 and ``<heatmap_dir>/expert_load_step{N:08d}.png``, drawn by :mod:`lit_moe.callbacks.heatmap`; rows =
@@ -195,6 +195,7 @@ class MoEMetrics(Callback):
             self._select(pl_module, moe.tokens_per_expert.shape[0], pipeline)
         writer = tb_writer(trainer)
         samples = m.consumed_samples
+        moe = moe.cpu()   # one host copy of the step's device statistics (log steps only)
         stats = [layer_stats(moe, r) for r in self._rows]
         if logged:
             for name, st in zip(self._names, stats):

@@ -1,5 +1,5 @@
 """A progress bar that counts optimizer steps (not micro-batches or epochs), with loss, lr, grad norm
-and tokens/s of the last step."""
+and tokens/s of the last log step."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
+from lit_moe.callbacks._common import is_log_step
 from lit_moe.callbacks.throughput import step_perf
 
 
@@ -28,7 +29,19 @@ class StepProgressBar(TQDMProgressBar):
         if bar is None:
             return
         _update_n(bar, trainer.global_step)
-        bar.set_postfix(self.get_metrics(trainer, pl_module))
+        # the numbers are read from the device on log steps only (other steps do not wait for it)
+        if is_log_step(trainer.global_step, self.metrics_interval(trainer)):
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    @staticmethod
+    def metrics_interval(trainer) -> int:
+        """The run's log interval (its :class:`StepLogger`'s), 1 without one."""
+        from lit_moe.callbacks.step_logger import StepLogger
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, StepLogger):
+                return cb.log_interval
+        return 1
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self._leave and self.train_progress_bar is not None:

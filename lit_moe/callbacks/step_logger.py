@@ -1,7 +1,8 @@
 """Per-step console line and TensorBoard scalars (``monitor.tensorboard``), with the optimizer step as
 the x-axis.
 
-Scalars written every ``log_interval`` optimizer steps (rank 0, when TensorBoard is on):
+Scalars written every ``log_interval`` optimizer steps and at the run's last step (rank 0, when
+TensorBoard is on; other steps read nothing from the device):
 ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/consumed_samples``, ``train/skipped_steps``,
 and ``train/aux_loss`` / ``train/mtp_loss`` when the model has them; each (except consumed samples)
 also as ``"<tag> vs samples"`` against consumed samples (the seed's "vs samples" variants).
@@ -60,7 +61,8 @@ class StepLogger(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         m: StepMetrics = pl_module.step_metrics
-        if not is_log_step(m.step, self.log_interval):
+        # the run's last step is always logged (a run shorter than the interval still shows its result)
+        if not (is_log_step(m.step, self.log_interval) or m.step == self.total_steps):
             return
         if trainer.is_global_zero:
             emit(self.format_line(m, step_perf(trainer, m)))

@@ -662,11 +662,11 @@ class PipelineParallel:
                             expert_bias=table[:, E:2 * E].float(), dropped=table[:, 2 * E + 1].float(),
                             assigned=table[:, 2 * E + 2].float())
 
-    def embedding_grad_norm(self) -> Optional[torch.Tensor]:
+    def embedding_grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """L2 norm of the input-embedding gradient (the first stage's; the last stage's MTP copy
-        holds the same summed gradient), the same on every rank; None when it has no gradient
-        (a frozen embedding). Every rank calls it: the stages without the embedding take part in
-        the all-reduce over the pipeline that hands the value on."""
+        holds the same summed gradient) and 1.0 when there is one (0.0 for a frozen embedding), as
+        device tensors, the same on every rank (no host sync). Every rank calls it: the stages
+        without the embedding take part in the all-reduce over the pipeline that hands the value on."""
         from lit_moe.strategies.clip import global_grad_norm
 
         c = self.container
@@ -677,7 +677,7 @@ class PipelineParallel:
             vec[0] = global_grad_norm([weight], group=self.dims.mesh("stage").get_group()).pow(2).to(device)
             vec[1] = 1.0
         dist.all_reduce(vec, group=self.dims.mesh("pp").get_group())
-        return None if vec[1].item() == 0 else vec[0].sqrt()
+        return vec[0].sqrt(), vec[1]
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
