@@ -318,7 +318,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
 # public API
 # ----------------------------------------------------------------------------------------------
 def _fused_ok(groups: list[dict]) -> bool:
-    """True when every parameter is a plain floating tensor on a device with fused AdamW kernels."""
+    """True when every parameter is a floating tensor (plain or DTensor) on a device with fused AdamW
+    kernels."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -326,8 +327,10 @@ def _fused_ok(groups: list[dict]) -> bool:
     except ImportError:  # pragma: no cover - older torch
         return False
     params = [p for g in groups for p in g["params"]]
-    return bool(params) and all(not _is_dtensor(p) and p.is_floating_point() and p.device.type in devices
-                                for p in params)
+    # DTensor parameters (FSDP2, tensor and expert parallel) qualify: torch shards the fused kernel like
+    # any pointwise op (on each rank's local shard, across several meshes), with the tensor learning
+    # rate and ``found_inf`` as plain 0-d tensors (checked against one process by the layout tests).
+    return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
 
 
 def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimizer_section: Optional[dict],
@@ -339,7 +342,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
     kernels = {"foreach": settings.foreach, "fused": settings.fused}
     if settings.type == "AdamW" and settings.fused is None and settings.foreach is None and _fused_ok(groups):
         # torch's default on CPU is a per-parameter loop; the fused kernel cut the benchmark's step by
-        # 7-10% (benchmarks/README.md). DTensor parameters keep torch's own choice.
+        # 7-10% (benchmarks/README.md); it also skips a step on the device (``found_inf``).
         kernels["fused"] = True
     if settings.type == "AdamW":
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
@@ -468,12 +471,11 @@ def step_on_device(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor],
     * fused AdamW (the default wherever torch has the kernel): the learning rate goes in as a tensor
       and the skip as ``found_inf``, with which the kernel leaves parameters and moments alone and
       torch takes its step-count increment back (the same values as never stepping);
-    * any other optimizer (the generic fallback): parameters and optimizer state are copied before
-      the step and put back with ``torch.where(skip, before, after)``, bit for bit; state the step
-      created is put back to zeros (what Adam, AdamW and Muon start from). It costs a copy of the
-      parameters and state per step. Optimizers that take no tensor learning rate (``foreach``
-      AdamW without ``capturable``, Muon) get it as a Python float: one host read per step, the only
-      sync left on that path (as are torch's own reads of its host-side step counters).
+    * any other optimizer (``foreach`` or per-parameter AdamW, Muon): the skip verdict is read on the
+      host and the step is simply not taken (one host sync per step; copying the parameters and
+      the whole optimizer state to put them back on the device would cost three times the
+      parameters' memory). Optimizers that take no tensor learning rate (``foreach`` AdamW without
+      ``capturable``, Muon) also get it as a Python float.
 
     The groups' ``lr`` entries hold Python floats again afterwards (see :class:`DeviceLambdaLR`).
     ``optimizer`` may be Lightning's wrapper (its ``step`` runs the strategy's hooks); the flags go to
@@ -502,26 +504,10 @@ def step_on_device(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor],
             g["lr"] = lr
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _step_or_restore(optimizer: Any, inner: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
-    before_params = [_local(p).detach().clone() for p in params]
-    before_state = {id(p): {k: _local(v).clone() for k, v in inner.state.get(p, {}).items()
-                            if isinstance(v, torch.Tensor)} for p in params}
-    optimizer.step()
-    with torch.no_grad():
-        for p, saved in zip(params, before_params):
-            local = _local(p)
-            local.copy_(torch.where(skip.to(local.device), saved, local))
-        for p in params:
-            saved = before_state[id(p)]
-            for k, v in inner.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                local = _local(v)
-                old = saved.get(k)
-                local.copy_(torch.where(skip.to(local.device), old if old is not None else torch.zeros_like(local),
-                                        local))
+    # Optimizers without a device-side skip: read the verdict on the host (one sync per step) rather
+    # than copy the parameters and the whole optimizer state every step to put them back with
+    # torch.where: on a sharded run that copy would be three times the parameters' bytes, transient
+    # memory no plan counts. Not stepping leaves parameters and state exactly as they were.
+    if not bool(skip):
+        optimizer.step()

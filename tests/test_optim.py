@@ -386,3 +386,34 @@ def test_fused_request_reaches_torch():
     assert all(g["fused"] for g in opt.param_groups)
     opt = build_optimizer(Tiny().named_parameters(), {"fused": False}, 1e-3)
     assert all(not g["fused"] and g["foreach"] is None for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("section", [{}, {"fused": False}, {"foreach": True}, {"type": "Muon"}])
+def test_step_on_device_skips_exactly(section):
+    """A guarded step with skip=True leaves parameters and optimizer state as they were (fused AdamW
+    through ``found_inf``, the other kernels and Muon by not stepping); skip=False is the plain step
+    at the given learning rate."""
+    from lit_moe.optim import step_on_device
+
+    def run(skips):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = build_optimizer(model.named_parameters(), section, 1e-2)
+        for skip in skips:
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            lrs = [torch.tensor(3e-3, dtype=torch.float64) for _ in opt.param_groups]
+            step_on_device(opt, lrs, None if skip is None else torch.tensor(skip))
+        return model, opt
+
+    stepped, opt_a = run([None, False])
+    skipped, opt_b = run([None, True])
+    plain, opt_c = run([None])
+    for a, b, c in zip(stepped.parameters(), skipped.parameters(), plain.parameters()):
+        assert torch.equal(b, c)           # the skipped step changed nothing
+        assert not torch.equal(a, c)       # the taken one did
+    for pb, pc in zip(skipped.parameters(), plain.parameters()):
+        for key, value in opt_c.state[pc].items():
+            assert torch.equal(torch.as_tensor(opt_b.state[pb][key]), torch.as_tensor(value)), key
+    # the taken step used the tensor learning rate, and the groups keep their host floats
+    assert all(isinstance(g["lr"], float) for g in opt_a.param_groups)
