@@ -17,6 +17,7 @@ The same strategy runs one CPU process (the default of ``lit_moe fit``), N local
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Iterable, Optional
 
@@ -95,6 +96,18 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self._device_mesh = dims.mesh("batch")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        if (self.num_nodes * self.num_processes == 1 and "MASTER_PORT" not in os.environ
+                and not dist.is_initialized()):
+            # One process outside a launcher needs no rendezvous: an in-memory store, not the TCP port
+            # Lightning would pick free and bind a moment later (another process can take it in
+            # between: EADDRINUSE). Lightning's setup below sees the group and keeps it.
+            device = self.root_device
+            dist.init_process_group(self._get_process_group_backend(), store=dist.HashStore(), rank=0,
+                                    world_size=1, timeout=self._timeout,
+                                    device_id=device if device.type != "cpu" else None)
+        super()._setup_distributed()
 
     def _make_parallel_dims(self, world_size: int) -> ParallelDims:
         p = self.parallelism
