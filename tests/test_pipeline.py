@@ -94,9 +94,9 @@ def test_too_few_microbatches_names_global_batch_size():
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------
 def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False,
-            cp=1, method="colossal", docs=False):
+            cp=1, method="colossal", u=None, docs=False):
     return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
-                recompute=recompute, cp=cp, method=method, docs=docs)
+                recompute=recompute, cp=cp, method=method, u=u, docs=docs)
 
 
 LAYOUTS = {
@@ -116,6 +116,8 @@ LAYOUTS = {
     # packed documents that differ per micro-batch, and layer 1 recomputed in backward: under 1F1B
     # the recompute of micro-batch m runs after the forward of m+1, and must meet m's masks
     "pp2_cp2_ulysses_docs": _layout(4, 2, cp=2, method="ulysses", docs=True, recompute=True),
+    # hybrid: ulysses over pairs of cp ranks inside, K/V all-gather across the pairs, with MTP
+    "pp2_cp4_hybrid_mtp": _layout(8, 2, cp=4, method="hybrid", u=2, mtp=1),
     # zero-bubble schedules with FSDP stages (split input/weight gradients)
     "pp2_dp2_zbv": _layout(4, 2, schedule="zbv", v=2),
     "pp2_dp2_interleaved_zb": _layout(4, 2, schedule="interleaved_zb", v=2, mtp=1),
@@ -262,7 +264,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     cfg = DeepseekV3Config(**model_section(spec["mtp"]))
     parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
                                     expert_parallel=spec["ep"], pipeline_parallel=spec["pp"],
-                                    context_parallel=spec["cp"], context_parallel_method=spec["method"])
+                                    context_parallel=spec["cp"], context_parallel_method=spec["method"],
+                                    ulysses_degree_in_cp=spec["u"])
     knobs = SimpleNamespace(pipeline_parallel=spec["pp"], pipeline_parallel_interleave_num=spec["v"],
                             pipeline_parallel_schedule=spec["schedule"],
                             pipeline_parallel_layers_per_stage=spec["ranges"])
