@@ -119,7 +119,9 @@ LIT_VARIANTS = {
     # the optimizer section's defaults already pick torch's fused AdamW kernel on plain tensors
     "eager-unfused": ({"torch_compile": False}, {"fused": False}),
 }
-TARGETS = {"speedup": 1.5, "mfu": 0.5}   # the CPU issue's targets (and peak memory <= transformers)
+# speed-up: issue 18 (the CPU must stay >= 2x transformers); MFU and peak memory <= transformers: the
+# first CPU issue's targets (its speed-up bar was 1.5x)
+TARGETS = {"speedup": 2.0, "mfu": 0.5}
 SEED = 1234
 LR = 1e-4
 BETAS = (0.9, 0.95)
