@@ -380,9 +380,9 @@ class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     (:meth:`advance` adds 1 or 0 on the device) and the learning rate is read from a device table of
     ``base_lr × lr_lambda(k)`` (the same Python expression ``LambdaLR`` evaluates, hence the same
     values) at that position (:meth:`device_lrs`). The host attributes (``last_epoch``, ``_last_lr``
-    and the optimizer groups' ``lr``) are brought up to date by :meth:`sync_host`, one host read,
-    which ``state_dict`` (checkpoints) calls and the module calls on log steps and at the end of
-    training. A host ``step()`` (LambdaLR's own stepping) still works and moves the device position.
+    and the optimizer groups' ``lr``) move on at every :meth:`advance` as if the update was applied
+    (no device read), and :meth:`sync_host`, one host read, makes them exact after skips; it runs in
+    ``state_dict`` (checkpoints), on the module's log steps and at the end of training. A host ``step()`` (LambdaLR's own stepping) still works and moves the device position.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, last_epoch: int = -1) -> None:
@@ -417,6 +417,10 @@ class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         pos = self._at(self._position.device if self._position is not None else torch.device("cpu"))
         pos.applied += 1 if applied is None else applied.to(torch.int64)
         pos.bound += 1
+        # The host view moves on as if the update was applied, without reading the device, so that
+        # callbacks reading the groups' lr every step (Lightning's LearningRateMonitor) see the
+        # schedule; after a skip it is one position ahead until the next sync_host (log steps).
+        self._move_host(self.last_epoch + 1)
 
     # -- host side --------------------------------------------------------------------------
     def sync_host(self) -> None:
@@ -427,6 +431,9 @@ class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
             return
         k = int(pos.applied)
         pos.bound = k
+        self._move_host(k)
+
+    def _move_host(self, k: int) -> None:
         if k != self.last_epoch:
             self._step_count += k - self.last_epoch   # as if step() had been called once per update
             self.last_epoch = k

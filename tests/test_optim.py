@@ -417,3 +417,45 @@ def test_step_on_device_skips_exactly(section):
             assert torch.equal(torch.as_tensor(opt_b.state[pb][key]), torch.as_tensor(value)), key
     # the taken step used the tensor learning rate, and the groups keep their host floats
     assert all(isinstance(g["lr"], float) for g in opt_a.param_groups)
+
+
+def test_device_lambda_lr_host_view_follows_the_schedule_without_device_reads():
+    """``DeviceLambdaLR`` against torch's ``LambdaLR`` stepped by hand: after every ``advance`` the
+    groups' host ``lr`` (what Lightning's LearningRateMonitor reads each step) already has the next
+    update's value, without ``sync_host``. After a skip decided on the device the host view is one
+    position ahead while the device value stays put; ``sync_host`` (log steps) and ``state_dict``
+    make the host exact again."""
+    from lit_moe.optim import DeviceLambdaLR
+
+    def groups():
+        a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+        return [{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.02}]
+
+    warmup = lambda k: min(1.0, (k + 1) / 4)          # noqa: E731
+    decay = lambda k: 0.9 ** k                         # noqa: E731
+    sched = DeviceLambdaLR(torch.optim.SGD(groups()), [warmup, decay])
+    ref_opt = torch.optim.SGD(groups())
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, [warmup, decay])
+
+    def host(s):
+        return [g["lr"] for g in s.optimizer.param_groups]
+
+    def device(s):
+        return [float(v) for v in s.device_lrs(torch.device("cpu"))]
+
+    for _ in range(3):
+        sched.advance(torch.tensor(True))             # applied, decided on the device
+        ref.step()
+        assert host(sched) == host(ref) and sched.last_epoch == ref.last_epoch
+    assert device(sched) == host(ref)
+    sched.advance(torch.tensor(False))                # skipped: the schedule must not move
+    assert device(sched) == host(ref)
+    ref.step()
+    assert host(sched) == host(ref)                   # the host view assumed the update was applied
+    sched.sync_host()
+    ref_at_3 = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(groups()), [warmup, decay])
+    for _ in range(3):
+        ref_at_3.step()
+    assert host(sched) == host(ref_at_3) and sched.last_epoch == 3
+    sched.advance()                                   # known applied (no skip guard)
+    assert host(sched) == host(ref) and sched.state_dict()["last_epoch"] == 4
