@@ -518,3 +518,29 @@ def test_fit_and_resume_across_layouts(tmp_path):
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
 
+
+
+def test_zero_bubble_with_fsdp_refuses_resharding_always():
+    """interleaved_zb / zbv with several ranks per stage keep the forward's gathered parameters for
+    torch's split weight-gradient pass: ``reshard_after_forward_policy: always`` is refused in one line
+    naming the field, before anything is parallelized; one rank per stage (no FSDP) is unaffected."""
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.strategies.parallel_dims import ParallelDims
+    from lit_moe.strategies.pipeline import parallelize_pipeline
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                           num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                           first_k_dense_replace=1, n_group=1, topk_group=1))
+    always = ParallelismConfig(pipeline_parallel=2, reshard_after_forward_policy="always")
+    for schedule in ("zbv", "interleaved_zb"):
+        layout = PipelineLayout(2, 2, schedule, tuple(split_layers("auto", 4, 2, 2)))
+        with pytest.raises(PipelineError) as err:
+            parallelize_pipeline(model, ParallelDims(world_size=4, pp=2), layout, always)
+        msg = str(err.value)
+        assert msg.startswith("parallelism.reshard_after_forward_policy: 'always'") and schedule in msg, msg
+        assert "\n" not in msg and "2 ranks per stage" in msg
+    assert all(p.device.type == "meta" and type(p) is torch.nn.Parameter for p in model.parameters())  # untouched
