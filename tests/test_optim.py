@@ -419,6 +419,7 @@ def test_step_on_device_skips_exactly(section):
     assert all(isinstance(g["lr"], float) for g in opt_a.param_groups)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")   # no optimizer here
 def test_device_lambda_lr_host_view_follows_the_schedule_without_device_reads():
     """``DeviceLambdaLR`` against torch's ``LambdaLR`` stepped by hand: after every ``advance`` the
     groups' host ``lr`` (what Lightning's LearningRateMonitor reads each step) already has the next

@@ -33,9 +33,9 @@ GLOBAL = 8
 SKIP_AT = 2
 
 
-def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False):
+def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False, compile=False):
     return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
-                mtp=0 if cp > 1 else 1)
+                mtp=0 if cp > 1 else 1, compile=compile)
 
 
 LAYOUTS = {
@@ -45,6 +45,10 @@ LAYOUTS = {
     "hsdp2x2_a2": _layout(4, shard=2, accumulation=2),
     "cp2_tp2": _layout(4, cp=2, tp=2, accumulation=2),
     "tp2_ep2": _layout(4, tp=2, ep=2),
+    # torch_compile (on by default on CUDA) under FSDP2 + expert parallel and under TP (DTensor
+    # parameters inside the compiled layers), with dynamo + AOT autograd's aot_eager backend
+    "dp2_ep2_compile": _layout(2, ep=2, compile=True),
+    "tp2_ep2_compile": _layout(4, tp=2, ep=2, compile=True),
     # FSDP over 4 ranks, step 2 vetoed by a StepGuard: nothing changes, the next step goes on from step 1
     "dp4_skip": _layout(4, skip=True),
 }
@@ -92,9 +96,11 @@ def build_run(spec: dict, dp_rank_of=None):
                 step=m.step, loss=m.loss, aux_loss=m.aux_loss, mtp_loss=m.mtp_loss, grad_norm=m.grad_norm,
                 lr=m.lr, skipped=m.skipped, tokens=m.tokens, micro=len(m.micro_losses),
                 tokens_per_expert=m.moe.tokens_per_expert.tolist(), layer_aux=m.moe.aux_loss.tolist(),
-                expert_bias=m.moe.expert_bias.tolist()))
+                expert_bias=m.moe.expert_bias.tolist(), compiled=compile_state()))
 
-    cfg = DeepseekV3Config(**model_section(spec["mtp"]))
+    cfg = DeepseekV3Config(**model_section(spec["mtp"]), torch_compile=spec["compile"])
+    if spec["compile"]:
+        use_aot_eager_backend()
     training = TrainingConfig(steps=STEPS, local_batch_size=GLOBAL // (spec["dp"] * A), global_batch_size=GLOBAL,
                               max_norm=1.0, seed=7)
     optimizer = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
@@ -103,6 +109,28 @@ def build_run(spec: dict, dp_rank_of=None):
     record = Record()
     callbacks = [record] + ([SkipStep()] if spec["skip"] else [])
     return module, Data(), callbacks, record, cfg
+
+
+def compile_state() -> dict:
+    """Functions compiled so far, those that fell back to eager, and dynamo's graph breaks."""
+    from torch._dynamo.utils import counters
+
+    import lit_moe.model.compile as compile_mod
+
+    return dict(functions=sorted(f.__qualname__ for f in compile_mod._COMPILED),
+                failed=sum(c.failed for c in compile_mod._COMPILED.values()),
+                graph_breaks=sum(counters["graph_break"].values()), graphs=counters["stats"]["unique_graphs"])
+
+
+def use_aot_eager_backend() -> None:
+    """The model's torch_compile with dynamo + AOT autograd but no inductor code generation (seconds,
+    not minutes, on a CPU; the graphs, guards and forward/backward split are the same)."""
+    import functools
+
+    import lit_moe.model.compile as compile_mod
+
+    if not isinstance(compile_mod.torch.compile, functools.partial):   # worker processes only
+        compile_mod.torch.compile = functools.partial(compile_mod.torch.compile, backend="aot_eager")
 
 
 def fit(spec: dict, strategy, devices: int) -> list[dict]:
@@ -131,7 +159,8 @@ def run_layout(name: str) -> list[dict]:
                                     context_parallel=spec["cp"], expert_parallel=spec["ep"],
                                     gradient_sync_every_microbatch=spec["sync"])
     strategy = AscendFSDPStrategy(parallelism=parallelism,
-                                  model_config=DeepseekV3Config(**model_section(spec["mtp"])))
+                                  model_config=DeepseekV3Config(**model_section(spec["mtp"]),
+                                                                torch_compile=spec["compile"]))
     return fit(spec, strategy, spec["world"])
 
 
@@ -214,6 +243,12 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
     if spec["skip"]:
         # the skipped step changed nothing: step 3 sees the biases of step 1
         assert got[1]["expert_bias"] == got[0]["expert_bias"]
+    if spec["compile"]:   # really compiled (no eager fallback), without graph breaks or recompiles
+        state = got[-1]["compiled"]
+        # the MoE layers' experts are FSDP / expert-parallel units: only their attention half compiles
+        assert "DecoderLayer._attention_half" in state["functions"], state
+        assert state["failed"] == 0 and state["graph_breaks"] == 0, state
+        assert got[0]["compiled"]["graphs"] == state["graphs"] > 0     # compiled at step 1, no recompiles
 
 
 if __name__ == "__main__":

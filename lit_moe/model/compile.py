@@ -2,7 +2,10 @@
 
 Only plain functions are compiled (``DecoderLayer._forward``, the head-and-loss function), never a
 module's ``__call__``: FSDP2's hooks, activation-checkpoint wrappers and expert-parallel hooks stay
-outside the compiled region, and parameter names do not change. One compiled function serves every
+outside the compiled region, and parameter names do not change. Where a submodule the function calls
+carries hooks itself (a MoE layer's experts are an FSDP unit of their own and expert-parallel
+dispatch needs host split sizes; ``[norm, lm_head]`` is one FSDP unit), a smaller function is
+compiled instead (the layer's attention half) or none (the head), so that no graph breaks. One compiled function serves every
 layer (dynamo guards on the layer's structure, so dense and MoE layers get a graph each).
 
 A failure to compile (no C++ compiler for inductor, a backend without inductor support, an
@@ -62,6 +65,13 @@ def in_backward() -> bool:
 def compile_enabled(torch_compile: Optional[bool], device: torch.device) -> bool:
     """The model's ``torch_compile`` switch for parameters on ``device``: None means CUDA only."""
     return device.type == "cuda" if torch_compile is None else bool(torch_compile)
+
+
+def carries_hooks(*modules: torch.nn.Module) -> bool:
+    """Whether any of ``modules`` or their submodules has forward/backward hooks (an FSDP2 unit,
+    parallelism hooks): a compiled function that calls it would break its graph there."""
+    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+               for module in modules for m in module.modules())
 
 
 _WARNED = False

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
-from lit_moe.model.compile import compile_enabled, compiled
+from lit_moe.model.compile import carries_hooks, compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.ops import build_norm
@@ -37,12 +37,24 @@ class DecoderLayer(nn.Module):
         self.torch_compile = config.torch_compile
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        if compile_enabled(self.torch_compile, x.device):
+        if not compile_enabled(self.torch_compile, x.device):
+            return self._forward(x, ctx)
+        if not carries_hooks(self.mlp):
             return compiled(DecoderLayer._forward)(self, x, ctx)
-        return self._forward(x, ctx)
+        # The feed-forward holds hooks of its own: its experts are an FSDP unit on the expert mesh,
+        # expert-parallel dispatch sends rows by host-known split sizes, the tensor-parallel router
+        # gathers its input. Dynamo would break the layer's graph at each of them; compile the
+        # attention half alone and run the feed-forward eagerly around its hooks (TorchTitan also
+        # keeps MoE dispatch out of its compiled regions).
+        x, normed = compiled(DecoderLayer._attention_half)(self, x, ctx)
+        return x + F.dropout(self.mlp(normed), self.hidden_dropout, self.training)
 
     def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
+        x, normed = self._attention_half(x, ctx)
+        return x + F.dropout(self.mlp(normed), self.hidden_dropout, self.training)
 
+    def _attention_half(self, x: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + Attn(norm(x)), and its pre-MLP norm."""
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), ctx), self.hidden_dropout, self.training)
+        return x, self.pre_mlp_layernorm(x)
 
