@@ -4,8 +4,9 @@ Only plain functions are compiled (``DecoderLayer._forward``, the head-and-loss 
 module's ``__call__``: FSDP2's hooks, activation-checkpoint wrappers and expert-parallel hooks stay
 outside the compiled region, and parameter names do not change. Where a submodule the function calls
 carries hooks itself (a MoE layer's experts are an FSDP unit of their own and expert-parallel
-dispatch needs host split sizes; ``[norm, lm_head]`` is one FSDP unit), a smaller function is
-compiled instead (the layer's attention half) or none (the head), so that no graph breaks. One compiled function serves every
+dispatch needs host split sizes; ``[norm, lm_head]`` is one FSDP unit) or otherwise breaks graphs
+(:func:`breaks_graphs`), a smaller function is compiled instead (the other half of the decoder
+layer) or none (the head), so that no graph breaks. One compiled function serves every
 layer (dynamo guards on the layer's structure, so dense and MoE layers get a graph each).
 
 A failure to compile (no C++ compiler for inductor, a backend without inductor support, an
@@ -67,10 +68,14 @@ def compile_enabled(torch_compile: Optional[bool], device: torch.device) -> bool
     return device.type == "cuda" if torch_compile is None else bool(torch_compile)
 
 
-def carries_hooks(*modules: torch.nn.Module) -> bool:
-    """Whether any of ``modules`` or their submodules has forward/backward hooks (an FSDP2 unit,
-    parallelism hooks): a compiled function that calls it would break its graph there."""
-    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+def breaks_graphs(*modules: torch.nn.Module) -> bool:
+    """Whether a compiled function calling any of ``modules`` would break its graph there: a module
+    or submodule that is an FSDP2 unit (its hooks are excluded from tracing) or says so
+    (``breaks_compiled_graphs``: expert-parallel dispatch reads split sizes on the host, context
+    parallel's asynchronous all-to-alls wait on handles). Plain Python hooks are traced."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) or getattr(m, "breaks_compiled_graphs", False)
                for module in modules for m in module.modules())
 
 

@@ -236,9 +236,10 @@ class DeepseekV3Config:
     head (norm, fused linear-cross-entropy or head GEMM + loss). ``null`` (default): on for CUDA,
     where compiled layers run faster, off on other devices (on a CPU the compiled step is ~10% faster
     at the benchmark's size, but compiling costs tens of seconds at start-up and needs a C++ compiler).
-    With several ranks, parts that carry FSDP or parallelism hooks stay eager so that no graph breaks:
-    a MoE layer compiles its attention half only (its experts are an FSDP unit of their own, expert
-    parallel dispatch needs host split sizes), and the head (norm + lm_head, one FSDP unit) is eager. Compilation happens on the first step; where it
+    With several ranks, parts that would break a compiled graph stay eager: a MoE layer compiles its
+    attention half only (its experts are an FSDP unit of their own, expert-parallel dispatch needs
+    host split sizes), with asynchronous context parallel the feed-forward half only, and the head
+    (norm + lm_head, one FSDP unit) is eager. Compilation happens on the first step; where it
     fails (no compiler, a backend without inductor support) one warning is logged and that part runs
     eagerly."""
     pad_token_id: Optional[int] = None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext, MLAttention
-from lit_moe.model.compile import carries_hooks, compile_enabled, compiled
+from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.ops import build_norm
@@ -39,18 +39,24 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if not compile_enabled(self.torch_compile, x.device):
             return self._forward(x, ctx)
-        if not carries_hooks(self.mlp):
+        # A half with a module that breaks compiled graphs (a MoE layer's experts are an FSDP unit on
+        # the expert mesh; expert-parallel dispatch sends rows by host-known split sizes; asynchronous
+        # context parallel waits on communication handles) runs eagerly and the other is compiled
+        # alone (TorchTitan also keeps MoE dispatch out of its compiled regions).
+        attention_ok = not breaks_graphs(self.self_attention)
+        mlp_ok = not breaks_graphs(self.mlp)
+        if attention_ok and mlp_ok:
             return compiled(DecoderLayer._forward)(self, x, ctx)
-        # The feed-forward holds hooks of its own: its experts are an FSDP unit on the expert mesh,
-        # expert-parallel dispatch sends rows by host-known split sizes, the tensor-parallel router
-        # gathers its input. Dynamo would break the layer's graph at each of them; compile the
-        # attention half alone and run the feed-forward eagerly around its hooks (TorchTitan also
-        # keeps MoE dispatch out of its compiled regions).
-        x, normed = compiled(DecoderLayer._attention_half)(self, x, ctx)
-        return x + F.dropout(self.mlp(normed), self.hidden_dropout, self.training)
+        attention_half = compiled(DecoderLayer._attention_half) if attention_ok else DecoderLayer._attention_half
+        mlp_half = compiled(DecoderLayer._mlp_half) if mlp_ok else DecoderLayer._mlp_half
+        x, normed = attention_half(self, x, ctx)
+        return mlp_half(self, x, normed)
 
     def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x, normed = self._attention_half(x, ctx)
+        return self._mlp_half(x, normed)
+
+    def _mlp_half(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         return x + F.dropout(self.mlp(normed), self.hidden_dropout, self.training)
 
     def _attention_half(self, x: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:

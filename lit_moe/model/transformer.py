@@ -20,7 +20,7 @@ from torch import nn
 
 from lit_moe.model import hf
 from lit_moe.model.attention import AttentionContext
-from lit_moe.model.compile import carries_hooks, compile_enabled, compiled
+from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import DecoderLayer, block_norm
 from lit_moe.model.loss import masked_cross_entropy
@@ -235,7 +235,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         # (several ranks): its hooks would break the graph (the fused loss is lean eagerly). (Training forwards of that default form
         # compile the fused head, the others the plain norm + head + loss.)
         if (compile_enabled(self.config.torch_compile, self.lm_head.weight.device)
-                and self.loss_function is masked_cross_entropy and not carries_hooks(self.norm, self.lm_head)):
+                and self.loss_function is masked_cross_entropy and not breaks_graphs(self.norm, self.lm_head)):
             return compiled(fn)
         return fn
 

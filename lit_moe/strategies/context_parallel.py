@@ -174,6 +174,9 @@ class ContextParallelAttention(nn.Module):
         self.u, self.groups = u, cp // u
         self.window_left = window_left
         self.asynchronous = asynchronous and u > 1
+        # waiting on asynchronous all-to-all handles cannot be traced: the decoder layer compiles
+        # without its attention half (lit_moe.model.compile.breaks_graphs)
+        self.breaks_compiled_graphs = self.asynchronous
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
         # named for recompute_comm (e.g. 'self_attention.core_attention.all_gather')
         if self.groups > 1:
@@ -233,6 +236,10 @@ class ContextParallelAttention(nn.Module):
         return inner.use_flash_attention and dropout == 0.0 and use_block_causal(q)
 
     def _count(self, heads: int, pairs: int, scores: int) -> None:
+        # Eager runs only: inside a compiled layer dynamo would guard on the counter's value and
+        # recompile the layer at every call (seen with cp2 and torch_compile)
+        if torch.compiler.is_compiling():
+            return
         self.shard.work["pairs"] += heads * pairs
         self.shard.work["scores"] += heads * scores
 
