@@ -94,9 +94,9 @@ def test_too_few_microbatches_names_global_batch_size():
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------
 def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False,
-            cp=1, method="colossal", u=None, docs=False):
+            cp=1, method="colossal", u=None, docs=False, compile=False):
     return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
-                recompute=recompute, cp=cp, method=method, u=u, docs=docs)
+                recompute=recompute, cp=cp, method=method, u=u, docs=docs, compile=compile)
 
 
 LAYOUTS = {
@@ -121,6 +121,10 @@ LAYOUTS = {
     # zero-bubble schedules with FSDP stages (split input/weight gradients)
     "pp2_dp2_zbv": _layout(4, 2, schedule="zbv", v=2),
     "pp2_dp2_interleaved_zb": _layout(4, 2, schedule="interleaved_zb", v=2, mtp=1),
+    # torch_compile in the stages (dynamo + AOT autograd, aot_eager backend): 1F1B with MTP and
+    # recompute, and zero-bubble's split backward (which keeps the compiled graph between its passes)
+    "pp2_mtp_recompute_compile": _layout(2, 2, mtp=1, recompute=True, compile=True),
+    "pp2_zbv_compile": _layout(2, 2, schedule="zbv", v=2, compile=True),
 }
 RTOL_CP = 1e-4    # context parallel sums a loss and its gradients in another order (issue 17's bound)
 
@@ -261,7 +265,11 @@ def run_layout(name: str, out_dir: Path) -> None:
     dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"],
                         cp=spec["cp"])
     dims.build_meshes("cpu")
-    cfg = DeepseekV3Config(**model_section(spec["mtp"]))
+    cfg = DeepseekV3Config(**model_section(spec["mtp"]), torch_compile=spec["compile"])
+    if spec["compile"]:
+        from test_step_layouts import use_aot_eager_backend
+
+        use_aot_eager_backend()
     parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
                                     expert_parallel=spec["ep"], pipeline_parallel=spec["pp"],
                                     context_parallel=spec["cp"], context_parallel_method=spec["method"],
@@ -317,6 +325,10 @@ def run_layout(name: str, out_dir: Path) -> None:
         out["grad_norm"].append(float(norm))
         out["bias"].append({str(i): _local(m.router.expert_bias).tolist() for i, m in _moe_by_layer(container).items()})
     out["val_loss"] = pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank)
+    if spec["compile"]:
+        from test_step_layouts import compile_state
+
+        out["compiled"] = compile_state()
     params = {n: _full(p.detach()) for n, p in container.named_parameters()}
     rank = dist.get_rank()
     torch.save({"out": out, "params": params}, out_dir / f"{name}.rank{rank}.pt")
@@ -387,6 +399,9 @@ def test_layout_matches_one_process(name, runs, references):
             assert err < (RTOL if spec["tp"] == spec["ep"] == spec["cp"] == 1 else PARAM_RTOL_REORDERED), \
                 (name, r, pname, err)
             seen_params.add(pname)
+        if spec["compile"]:   # each rank compiled its layers' graphs once, without breaks
+            state = out["compiled"]
+            assert state["functions"] and state["failed"] == 0 and state["graph_breaks"] == 0, (name, r, state)
     # every parameter and MoE layer of the model lives on some stage
     assert seen_params == set(ref["params"])
     assert seen_bias == set(ref["bias"][0])
@@ -515,11 +530,6 @@ def test_fit_and_resume_across_layouts(tmp_path):
     assert (tmp_path / "hf_pp2" / "config.json").read_text() == (tmp_path / "hf_one" / "config.json").read_text()
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
-
-
-
 def test_zero_bubble_with_fsdp_refuses_resharding_always():
     """interleaved_zb / zbv with several ranks per stage keep the forward's gathered parameters for
     torch's split weight-gradient pass: ``reshard_after_forward_policy: always`` is refused in one line
@@ -544,3 +554,7 @@ def test_zero_bubble_with_fsdp_refuses_resharding_always():
         assert msg.startswith("parallelism.reshard_after_forward_policy: 'always'") and schedule in msg, msg
         assert "\n" not in msg and "2 ranks per stage" in msg
     assert all(p.device.type == "meta" and type(p) is torch.nn.Parameter for p in model.parameters())  # untouched
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])

@@ -251,13 +251,15 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM_RUNS[key]
 
 
+def _grouped_mm_aligned(hidden: int, gate_up: int, down_out: int, element_size: int) -> bool:
+    return all(dim * element_size % 16 == 0 for dim in (hidden, gate_up, gate_up // 2, down_out))
+
+
 def grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """grouped_mm needs 16-byte-aligned strides (on CPU) and a device/dtype it is implemented for;
     under torch.compile only bf16 (its shape function rejects other dtypes, torch 2.13)."""
-    size = x.element_size()
-    for dim in (x.shape[-1], w1.shape[-1], w1.shape[-1] // 2, w2.shape[-1]):
-        if (dim * size) % 16:
-            return False
+    if not _grouped_mm_aligned(x.shape[-1], w1.shape[-1], w2.shape[-1], x.element_size()):
+        return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     return x.is_contiguous() and _grouped_mm_runs(x.device, x.dtype)
@@ -307,6 +309,22 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, I, H, dtype=dtype))
         self.act = _activation(config)
         self.use_grouped_mm = config.moe_grouped_gemm
+        self.compute_dtype = config.torch_dtype("compute_dtype")
+        # expert parallel sets it: its dispatch reads the split sizes on the host
+        self.dispatch_on_host = False
+
+    @property
+    def breaks_compiled_graphs(self) -> bool:
+        """Whether a compiled caller would break its graph here (``compile.breaks_graphs``): expert-
+        parallel dispatch and the per-expert fallback loop read group sizes on the host; the grouped
+        GEMMs are traced only in bf16, with aligned strides, where they run."""
+        if self.dispatch_on_host:
+            return True
+        dtype = self.compute_dtype
+        H, I2 = self.gate_up_proj.shape[1:]
+        return not (self.use_grouped_mm and dtype == torch.bfloat16
+                    and _grouped_mm_aligned(H, I2, self.down_proj.shape[-1], dtype.itemsize)
+                    and _grouped_mm_runs(self.gate_up_proj.device, dtype))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                 row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -410,6 +428,11 @@ class MoE(nn.Module):
         self.last_stats: dict[str, torch.Tensor] = {}
         # context parallel sets it: the balancing statistics of a sequence span its shards' ranks
         self.aux_stats_reduce: Optional[Callable] = None
+
+    @property
+    def breaks_compiled_graphs(self) -> bool:
+        # dropping over capacity (without padding) cuts the kept rows at a host-read count
+        return self.capacity_factor is not None and not self.pad_to_capacity
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity C = ceil(T*K/E * capacity_factor), or None when dropless."""

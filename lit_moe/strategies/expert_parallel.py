@@ -214,7 +214,7 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
     around_forward(experts, before, after)
     # the dispatch reads the split sizes on the host: a compiled decoder layer leaves this MoE eager
     # (lit_moe.model.compile.breaks_graphs)
-    experts.breaks_compiled_graphs = True
+    experts.dispatch_on_host = True
 
 
 def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> list[nn.Module]:

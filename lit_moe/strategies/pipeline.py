@@ -361,6 +361,10 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
             f"parallelism.reshard_after_forward_policy: 'always' cannot be used with pipeline_parallel_schedule "
             f"{layout.schedule} and {stage_ranks} ranks per stage (the split weight-gradient pass needs the "
             "parameters the forward gathered); use 'default' or 'never'")
+    if layout.schedule in ("interleaved_zb", "zbv") and config.torch_compile is not False:
+        # torch's input-gradient pass keeps the graph for the weight-gradient pass (retain_graph),
+        # which compiled backwards refuse while AOT autograd donates their saved buffers
+        torch._functorch.config.donated_buffer = False
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
