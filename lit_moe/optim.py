@@ -382,7 +382,8 @@ class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     values) at that position (:meth:`device_lrs`). The host attributes (``last_epoch``, ``_last_lr``
     and the optimizer groups' ``lr``) move on at every :meth:`advance` as if the update was applied
     (no device read), and :meth:`sync_host`, one host read, makes them exact after skips; it runs in
-    ``state_dict`` (checkpoints), on the module's log steps and at the end of training. A host ``step()`` (LambdaLR's own stepping) still works and moves the device position.
+    ``state_dict`` (checkpoints), on the module's log steps and at the end of training. A host
+    ``step()`` (LambdaLR's own stepping) still works and moves the device position.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, last_epoch: int = -1) -> None:

@@ -232,8 +232,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _maybe_compiled(self, fn):
         # The head's loss is only compiled in its default form: tensor parallel swaps in a
         # vocabulary-parallel loss with collectives inside. Not when norm and head are an FSDP unit
-        # (several ranks): its hooks would break the graph (the fused loss is lean eagerly). (Training forwards of that default form
-        # compile the fused head, the others the plain norm + head + loss.)
+        # (several ranks): its hooks would break the graph (the fused loss is lean eagerly).
+        # (Training forwards of that default form compile the fused head, the others the plain
+        # norm + head + loss.)
         if (compile_enabled(self.config.torch_compile, self.lm_head.weight.device)
                 and self.loss_function is masked_cross_entropy and not breaks_graphs(self.norm, self.lm_head)):
             return compiled(fn)

@@ -15,10 +15,11 @@ else from the head):
                                                   written back over z in the compute dtype
     dh = g W,   dW = g^T h                        two GEMMs (fp32 accumulation inside, as autograd's)
 
-and backward only scales ``dh`` and ``dW`` by the incoming gradient. (Under ``torch.compile`` the
-blocks give way to one pointwise expression over the table, which inductor fuses itself.) (When the ``[T, V]`` table is
+and backward only scales ``dh`` and ``dW`` by the incoming gradient. (When the ``[T, V]`` table is
 smaller than ``dh`` and ``dW`` together, as for short micro-batches with a large hidden size, it is
 kept instead and the two GEMMs run in backward.) One ``[T, V]`` table in the compute dtype remains.
+Under ``torch.compile`` the blocks give way to one out-of-place pass over the table, which inductor
+fuses itself.
 
 Numerics: the same rounded logits and the same fp32 softmax and loss as the plain path, up to
 summation order. The input gradients differ in one rounding: the plain path multiplies the logits'
