@@ -12,8 +12,10 @@ adapter per expert and per projection: ``gate_up_proj_lora_a [E, H, r]``, ``gate
 Which modules: every linear layer (``lit_moe.ops.Linear``; not the output head, whose fused
 cross-entropy has no adapter path) and every routed-expert module whose dotted name (as in
 ``model.named_modules()``, e.g. ``layers.1.self_attention.q_a_proj``, ``layers.2.mlp.experts``,
-``layers.2.mlp.shared_experts.down_proj``, ``mtp.0.eh_proj``) matches the ``target_modules`` regular
-expression (``re.search``), unless it or a module above it matches ``exclude_layers``.
+``layers.2.mlp.shared_experts.down_proj``, ``mtp.0.eh_proj``), in any of its spellings (MindFormers'
+``model.decoder.layers.1.self_attention.linear_qkv`` or Hugging Face's ``model.layers.1.self_attn.q_a_proj``,
+``lit_moe.model.names.spellings``), matches the ``target_modules`` regular expression (``re.search``),
+unless it or a module above it matches ``exclude_layers``.
 
 Order in a run (MindFormers' order): :func:`apply_lora` on the meta-device model, then the parallel
 layout (tensor parallel shards ``lora_b`` of column-parallel and ``lora_a`` of row-parallel layers
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.config import ConfigError
+from lit_moe.model.names import no_match_error, spelled, spellings
 from lit_moe.model.moe import GroupedExperts, _local, grouped_mm_row_align, grouped_mm_usable
 from lit_moe.ops import Linear
 from lit_moe.ops.cross_entropy import LMHead
@@ -228,20 +231,26 @@ def apply_lora(model: nn.Module, settings: Any) -> list[str]:
     target = re.compile(settings.target_modules)
     exclude = re.compile(settings.exclude_layers) if settings.exclude_layers else None
     config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
     adapted: list[str] = []
     candidates: list[str] = []
+
+    def names(full: str) -> tuple[str, ...]:
+        # MindFormers' LoRA matches cell paths from its top cell, whose child is ``model``
+        mf = tuple("model." + spelled(full, tree) for tree in ("mindformers", "mindformers_megatron"))
+        return spellings(full, layers) + mf
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             full = f"{prefix}.{child_name}" if prefix else child_name
-            if exclude is not None and exclude.search(full):
+            if exclude is not None and any(exclude.search(n) for n in names(full)):
                 continue
             if isinstance(child, (LoRALinear, LoRAGroupedExperts)):
                 adapted.append(full)
                 continue
             if type(child) is Linear or isinstance(child, GroupedExperts):
                 candidates.append(full)
-                if target.search(full):
+                if any(target.search(n) for n in names(full)):
                     if isinstance(child, GroupedExperts):
                         new: nn.Module = LoRAGroupedExperts.from_base(child, config, settings)
                     else:
@@ -255,10 +264,10 @@ def apply_lora(model: nn.Module, settings: Any) -> list[str]:
 
     visit(model, "")
     if not adapted:
-        examples = ", ".join(candidates[:6]) + (" ..." if len(candidates) > 6 else "")
-        raise ConfigError(f"lora_config.target_modules: {settings.target_modules!r} matches no linear layer or "
-                          f"routed experts (exclude_layers: {settings.exclude_layers!r}); module names are like "
-                          f"{examples}")
+        excluded = f" outside exclude_layers {settings.exclude_layers!r}" if settings.exclude_layers else ""
+        raise ConfigError(no_match_error("lora_config.target_modules", settings.target_modules,
+                                         candidates,
+                                         what=f"linear layer or routed experts{excluded}"))
     return adapted
 
 

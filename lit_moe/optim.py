@@ -9,7 +9,9 @@ Weight decay follows MindFormers' ``get_param_groups``: a parameter matched by `
 is decayed; otherwise one matched by ``weight_decay_exclude`` is not; otherwise 1-D parameters (norm
 weights) and names ending in ``.bias`` are not decayed and everything else is (embedding, head, router
 and expert weights included). A rule matches a name when it equals it, is a substring of it, or is an
-``fnmatch`` wildcard matching it.
+``fnmatch`` wildcard matching it, in any spelling of the name (lit_moe's, MindFormers' or Hugging
+Face's: ``lit_moe.model.names.spellings``); a rule that matches no parameter of the model is an error
+(:func:`check_rules`).
 
 Parameter groups are split by (algorithm, decay, plain tensor vs DTensor): torch's foreach and fused
 kernels reject a list mixing plain tensors and DTensors, while DTensors on different meshes are fine in
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from lit_moe.config import ConfigError, parse_number
-from lit_moe.model.names import canonical_name
+from lit_moe.model.names import canonical_name, no_match_error, spellings
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,9 @@ _CONSUMED_ELSEWHERE = ("accumulate_allreduce_grads_in_fp32", "comm_strategy", "u
 _DEFAULT_WEIGHT_DECAY = 0.01
 _DEFAULT_BETAS = (0.9, 0.95)
 _DEFAULT_EPS = 1e-8
-_DEFAULT_ADAMW_INCLUDE = ("*embed_tokens*", "*lm_head*")  # MindFormers: word_embeddings / output_layer
+# MindFormers' own default (pynative/optimizer/muon.py ``_build_muon_filter``): its names for the
+# embedding and the output head, which match ``embed_tokens`` / ``lm_head`` through their spellings.
+_DEFAULT_ADAMW_INCLUDE = ("*word_embeddings*", "*output_layer*")
 
 
 @dataclass
@@ -191,20 +195,60 @@ def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSe
     s.betas = _betas(section, "adamw_betas", (0.95, 0.95))
     s.adamw_eps = _float(section, "adamw_eps", _DEFAULT_EPS)
     s.adamw_include = tuple(_rules(section, "adamw_include", _DEFAULT_ADAMW_INCLUDE))
-    if _bool(section, "qk_clip_enabled", False):
+    qk_clip = _bool(section, "qk_clip_enabled", None)
+    if qk_clip:
         raise ConfigError("optimizer.qk_clip_enabled: QK-clip is not implemented; set it to false")
+    if qk_clip is None:
+        _warn_once("optimizer.qk_clip_enabled: not set; MindFormers' Muon defaults to true (QK-clip, "
+                   "qk_clip_threshold 100), lit_moe has no QK-clip and trains without it (false); set "
+                   "qk_clip_enabled: false to state it")
     return s
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning line per process (the section is validated several times in a run)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------
 # parameter classification
 # ----------------------------------------------------------------------------------------------
 
+def _rule_matches(rule: str, name: str) -> bool:
+    """MindFormers' rule test (equal, substring or ``fnmatch`` wildcard), on every spelling of ``name``."""
+    return any(rule == n or rule in n or fnmatch(n, rule) for n in spellings(name))
+
+
 def _matches(name: str, rules: Iterable[str]) -> Optional[str]:
     for rule in rules:
-        if rule == name or rule in name or fnmatch(name, rule):
+        if _rule_matches(rule, name):
             return rule
     return None
+
+
+def _glob_matches(pattern: str, name: str) -> bool:
+    return any(fnmatch(n, pattern) for n in spellings(name))
+
+
+def check_rules(settings: OptimizerSettings, names: Iterable[str]) -> None:
+    """Every name rule of the section matches at least one of the model's parameter ``names`` (all
+    of them, frozen ones and other pipeline stages' included): one-line :class:`ConfigError` naming
+    the key, the rule and the nearest names otherwise."""
+    names = list(names)
+    keys = [("weight_decay_include", settings.weight_decay_include, _rule_matches),
+            ("weight_decay_exclude", settings.weight_decay_exclude, _rule_matches)]
+    if settings.type == "Muon":
+        keys.append(("adamw_include", settings.adamw_include, _glob_matches))
+    for key, rules, test in keys:
+        for rule in rules:
+            if not any(test(rule, n) for n in names):
+                raise ConfigError(no_match_error(f"optimizer.{key}", rule,
+                                                 names))
 
 
 def uses_weight_decay(name: str, param: torch.Tensor, settings: OptimizerSettings) -> bool:
@@ -220,7 +264,7 @@ def uses_muon(name: str, param: torch.Tensor, settings: OptimizerSettings) -> bo
     """Muon takes 2-D hidden matrices; embedding, head (``adamw_include``) and every other shape go to
     AdamW. (MindFormers also orthogonalises each expert matrix of 3-D expert weights; torch.optim.Muon
     takes 2-D parameters only, so expert weights stay on AdamW here.)"""
-    return param.ndim == 2 and not any(fnmatch(name, pattern) for pattern in settings.adamw_include)
+    return param.ndim == 2 and not any(_glob_matches(pattern, name) for pattern in settings.adamw_include)
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
