@@ -272,6 +272,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.data import MegatronDataModule
     from lit_moe.model import DeepseekV3Config
     from lit_moe.module import LitMoE
+    from lit_moe.name_keys import check_name_keys
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
@@ -338,6 +339,7 @@ def build_run(cfg: Any) -> Run:
 
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section)
+    check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), monitor)
 
     from lit_moe.checkpoint import build_checkpoint_callback
     from lit_moe.checkpoint.auto_resume import resolve_start
@@ -473,6 +475,29 @@ def _remember_run_config(cfg: dict, config_paths: list[str]) -> None:
     _CONFIG_DIR[:] = [os.path.dirname(os.path.abspath(config_paths[0]))] if config_paths else []
 
 
+def check_sections(cfg: Any) -> None:
+    """The checks ``fit`` makes of the sections before it builds anything, for ``--print_config``:
+    training, model, recompute, lr_scheduler and optimizer values and the keys that name parameters
+    (the layout, data and checkpoint checks need the run's devices and files)."""
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.name_keys import check_name_keys
+    from lit_moe.schedules import build_lr_lambda
+    from lit_moe.strategies.recompute import validate_recompute
+
+    training = _as_dataclass(cfg.get("training"), TrainingConfig)
+    _check_training(training)
+    model_section = dict(cfg.get("model") or {})
+    if not model_section:
+        raise ConfigError("model: the section is missing or empty")
+    model_config = DeepseekV3Config(**model_section)
+    validate_recompute(_as_dataclass(cfg.get("recompute"), RecomputeConfig),
+                       _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig), model_config.total_layers)
+    build_lr_lambda(dict(cfg.get("lr_scheduler") or {}), training.steps)
+    optimizer_section = dict(cfg.get("optimizer") or {})
+    _check_optimizer(optimizer_section)
+    check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), cfg.get("monitor"))
+
+
 def printable_config(cfg: dict) -> dict:
     """The run's configuration as ``--print_config`` prints it: every fixed section with its defaults
     filled in, the open sections as written, and only the ``trainer`` keys the user set (Lightning's
@@ -546,6 +571,7 @@ def main(args: Optional[list[str]] = None) -> int:
         if any(a.partition("=")[0] == "--print_config" for a in rest):
             import yaml
 
+            check_sections(cfg)   # exits 2 with fit's one-line error on a section fit refuses
             sys.stdout.write(yaml.safe_dump(printable_config(cfg), sort_keys=False))
             return 0
         rest = [a for a in rest if a.partition("=")[0] != "--print_config"]

@@ -279,10 +279,13 @@ def test_select_wraps_exactly_the_matches_and_keeps_names():
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
 
 
-def test_unmatched_pattern_warns_by_name():
-    model = make()
-    with pytest.warns(RecomputeWarning, match=r"recompute.select_module\['.\*\\\\.matmul'\] matches no"):
-        apply_recompute(model, {"mode": "select", "select_module": {r".*\.matmul": ["0-3"], "mlp": [1]}}, None)
+def test_unmatched_select_pattern_is_an_error_naming_nearest_paths():
+    # MindFormers only warns; a selection that recomputes nothing is one error line here
+    with pytest.raises(ConfigError, match=r"recompute.select_module\['.\*\\\\.matmul'\]: .* matches no module .*nearest"):
+        apply_recompute(make(), {"mode": "select", "select_module": {r".*\.matmul": ["0-3"], "mlp": [1]}}, None)
+
+
+def test_unmatched_comm_pattern_warns_by_name():
     with pytest.warns(RecomputeWarning, match=r"recompute_comm.select_module\['mlp.router.all_gather'\]"):
         apply_recompute(make(), None, {"enable": True, "select_module": {"mlp.router.all_gather": ["0-3"]}})
 

@@ -11,7 +11,9 @@ Formats (one JSON object per line, as MindFormers logs them):
   parameter: the accumulated, pre-clip gradient of the step (also on skipped steps).
 
 ``local_norm``/``device_norm`` take True (all parameters), a substring or a list of substrings of
-parameter names; ``""``/False/``[]`` is off. ``local_loss``/``local_norm`` are per rank (prefixed
+parameter names in any spelling (MindFormers' ``embedding``/``output_layer`` as well as lit_moe's
+``embed_tokens``/``lm_head``: ``lit_moe.model.names.spellings``); ``""``/False/``[]`` is off. A
+substring found in no parameter name is an error (:func:`check_norm_filters`). ``local_loss``/``local_norm`` are per rank (prefixed
 with ``"rank"`` when there are several ranks); ``device_*`` lines are printed by rank 0 only.
 """
 
@@ -25,6 +27,7 @@ import torch
 from lit_moe.callbacks._common import emit, tensor_norm
 from lit_moe.distributed import global_rank, world_size
 from lit_moe.config import ConfigError
+from lit_moe.model.names import canonical_name, no_match_error, spellings
 from lit_moe.step import GradientObserver, StepMetrics
 
 NormFilter = Union[bool, str, list]
@@ -45,6 +48,21 @@ def parse_norm_filter(value: NormFilter, field: str) -> Optional[list[str]]:
                                   f"got {item!r}")
         return list(value)
     raise ConfigError(f"{field}: expected a bool, a string or a list of strings, got {value!r}")
+
+
+def _filter_matches(substring: str, name: str) -> bool:
+    return any(substring in n for n in spellings(canonical_name(name)))
+
+
+def check_norm_filters(section: Any, names: list[str]) -> None:
+    """Every ``local_norm`` / ``device_norm`` substring is found in some parameter name (any
+    spelling); one-line :class:`ConfigError` naming the key, the filter and the nearest names otherwise."""
+    for key in ("local_norm", "device_norm"):
+        value = section.get(key) if isinstance(section, dict) else getattr(section, key, None)
+        field = f"monitor.train_state.{key}"
+        for substring in parse_norm_filter(value, field) or []:
+            if substring and not any(_filter_matches(substring, n) for n in names):
+                raise ConfigError(no_match_error(field, substring, names))
 
 
 def _named_parameters(pl_module: Any):
@@ -74,7 +92,7 @@ class TrainStateMonitor(GradientObserver):
 
     @staticmethod
     def _match(name: str, filters: list[str]) -> bool:
-        return any(f in name for f in filters)
+        return any(_filter_matches(f, name) for f in filters)
 
     # local_norm: the micro-batch's contribution = accumulated grad now − accumulated grad before.
     # (Keeps a copy of the matching gradients between micro-batches; filter to limit memory.)

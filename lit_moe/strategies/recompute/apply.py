@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from lit_moe.config import RecomputeCommConfig, RecomputeConfig
+from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
+from lit_moe.model.names import no_match_error
 from lit_moe.strategies.recompute.paths import _drop_children, _match, _under, addressable_paths
 from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputeWarning, validate_recompute
 from lit_moe.strategies.recompute.hooks import _CheckpointedForward, _ModuleCall, _draws_random_numbers
@@ -69,8 +70,10 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     summary: list[str] = []
     fsdp_layers: list[int] = []
 
+    seen_paths: set[str] = set()
     for layer_id, block in enumerate(blocks):
         paths = addressable_paths(block)
+        seen_paths.update(paths)
         order = list(paths)
         fsdp = [p for p, layers in plan.comm if layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER)]
         if fsdp:  # independent of activation recompute: parameters are re-gathered either way
@@ -109,11 +112,14 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
             parts += [f"recompute output of {output_recomputed}"] if output_recomputed else []
             summary.append(f"{layer_id}: " + ", ".join(parts))
 
-    for section, matched in (("recompute.select_module", matched_select), ("recompute_comm.select_module", matched_comm)):
-        for pattern, hit in matched.items():
-            if not hit:
-                warnings.warn(f"{section}[{pattern!r}] matches no module or function in its layers; "
-                              "nothing is recomputed for it", RecomputeWarning, stacklevel=2)
+    for pattern, hit in matched_select.items():
+        if not hit:  # MindFormers only warns; a selection that recomputes nothing is an error here
+            raise ConfigError(no_match_error(f"recompute.select_module[{pattern!r}]", pattern, sorted(seen_paths),
+                                             what="module or function in its layers", in_layer=True))
+    for pattern, hit in matched_comm.items():
+        if not hit:  # communication steps depend on the layout: one config serves several
+            warnings.warn(f"recompute_comm.select_module[{pattern!r}] matches no communication step in its layers "
+                          "on this layout; nothing is recomputed for it", RecomputeWarning, stacklevel=2)
     if fsdp_layers:
         summary.append(f"FSDP all-gather recomputed (resharded after forward) in layers {fsdp_layers}")
     if summary:

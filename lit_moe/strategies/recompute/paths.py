@@ -8,6 +8,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from lit_moe.model.names import spellings
+
 
 # ----------------------------------------------------------------------------------------------
 # the addressable paths of a layer
@@ -48,7 +50,8 @@ def _match(patterns: tuple, layer_id: int, paths: Iterable[str], matched: dict[s
         if layer_id not in layers:
             continue
         rx = re.compile(pattern)
-        found = [p for p in paths if rx.fullmatch(p)]
+        # any spelling: MindFormers' ``self_attention.linear_qkv`` selects q_a_proj and kv_a_proj_with_mqa
+        found = [p for p in paths if any(rx.fullmatch(s) for s in spellings(p, in_layer=True))]
         matched[pattern] = matched.get(pattern, False) or bool(found)
         hits.extend(p for p in found if p not in hits)
     return hits
