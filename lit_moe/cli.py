@@ -271,6 +271,7 @@ def build_run(cfg: Any) -> Run:
 
     from lit_moe.data import MegatronDataModule
     from lit_moe.model import DeepseekV3Config
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.module import LitMoE
     from lit_moe.name_keys import check_name_keys
     from lit_moe.schedules import build_lr_lambda
@@ -297,7 +298,7 @@ def build_run(cfg: Any) -> Run:
     _check_training(training)
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**model_section)
+    model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
 
     seq_length = _dataset_seq_length(train_dataset, model_config)
     from lit_moe.model.config_parsing import check_document_mask_data
@@ -480,6 +481,7 @@ def check_sections(cfg: Any) -> None:
     training, model, recompute, lr_scheduler and optimizer values and the keys that name parameters
     (the layout, data and checkpoint checks need the run's devices and files)."""
     from lit_moe.model import DeepseekV3Config
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.name_keys import check_name_keys
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.strategies.recompute import validate_recompute
@@ -489,7 +491,7 @@ def check_sections(cfg: Any) -> None:
     model_section = dict(cfg.get("model") or {})
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**model_section)
+    model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
     validate_recompute(_as_dataclass(cfg.get("recompute"), RecomputeConfig),
                        _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig), model_config.total_layers)
     build_lr_lambda(dict(cfg.get("lr_scheduler") or {}), training.steps)

@@ -90,6 +90,9 @@ _PIPELINE_MODEL_KEYS = ("offset", "pp_interleave_num")
 # arithmetic, so 1f1b (interleaved with V > 1) stands in, with a note.
 _GRAPH_SCHEDULERS = {"1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zbv", "seqpipe": "1f1b",
                      "seqvpp": "1f1b", "seqsmartvpp": "1f1b"}
+# Model keys MindFormers' PyNative DeepSeek-V3 ignores (lit_moe.model.mindformers_defaults) → the
+# keys that carry their meaning there.
+_PYNATIVE_IGNORED_MODEL_KEYS = {"scaling_factor": "rotary_scaling_factor", "scoring_func": "moe_router_score_function"}
 # Legacy ``moe_config`` names → model keys.
 _MOE_CONFIG_TO_MODEL = {
     "expert_num": "n_routed_experts",
@@ -107,7 +110,7 @@ _MOE_CONFIG_TO_MODEL = {
     "topk_bias_update_rate": "moe_router_bias_update_rate",
     "use_gmm": "moe_grouped_gemm",
     "capacity_factor": "moe_expert_capacity_factor",
-    "use_gating_sigmoid": "scoring_func",
+    "use_gating_sigmoid": "moe_router_score_function",   # PyNative deletes scoring_func
     "use_pad_tokens": "use_pad_tokens",
 }
 # Regex for ``recompute_comm.select_module`` standing for graph mode's ``mp_comm_recompute``: the
@@ -364,6 +367,8 @@ class _Converter:
                 self.dropped.append(f"model.model_config.{key}")
             elif key == "architectures" and isinstance(value, (list, tuple)) and len(value) == 1:
                 model[key] = value[0]
+            elif key in _PYNATIVE_IGNORED_MODEL_KEYS:   # the graph meaning, under the key PyNative reads
+                model[_PYNATIVE_IGNORED_MODEL_KEYS[key]] = value
             else:
                 model[key] = value
         self.moe_config(model)

@@ -314,7 +314,7 @@ def test_legacy_moe_config_names():
     result = quiet_convert(g)
     m = result.pynative["model"]
     assert (m["n_routed_experts"], m["num_experts_per_tok"], m["moe_router_enable_expert_bias"]) == (8, 2, True)
-    assert m["scoring_func"] == "sigmoid"
+    assert m["moe_router_score_function"] == "sigmoid"  # the key PyNative routes with
     assert m["n_group"] == 4  # model_config wins over moe_config
     assert "moe_expert_capacity_factor" not in m  # capacity_factor <= 0: dropless
     assert "moe_config.routing_policy" in result.dropped

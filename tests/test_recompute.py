@@ -281,7 +281,7 @@ def test_select_wraps_exactly_the_matches_and_keeps_names():
 
 def test_unmatched_select_pattern_is_an_error_naming_nearest_paths():
     # MindFormers only warns; a selection that recomputes nothing is one error line here
-    with pytest.raises(ConfigError, match=r"recompute.select_module\['.\*\\\\.matmul'\]: .* matches no module .*nearest"):
+    with pytest.raises(ConfigError, match=r"recompute.select_module: '.\*\\\\.matmul' matches no module .*nearest"):
         apply_recompute(make(), {"mode": "select", "select_module": {r".*\.matmul": ["0-3"], "mlp": [1]}}, None)
 
 

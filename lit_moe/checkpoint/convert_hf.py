@@ -42,12 +42,13 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
     from lit_moe.config import ConfigError
     from lit_moe.config_file import load_yaml
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
     data = load_yaml(config_path)
     model_section = data.get("model")
     if not isinstance(model_section, dict) or not model_section:
         raise ConfigError(f"--config: {config_path!r} has no model section")
-    config = DeepseekV3Config(**model_section)
+    config = DeepseekV3Config(**read_pynative_model_section(model_section))
 
     path = Path(checkpoint).expanduser()
     if not path.is_dir():

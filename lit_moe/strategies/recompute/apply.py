@@ -114,7 +114,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
 
     for pattern, hit in matched_select.items():
         if not hit:  # MindFormers only warns; a selection that recomputes nothing is an error here
-            raise ConfigError(no_match_error(f"recompute.select_module[{pattern!r}]", pattern, sorted(seen_paths),
+            raise ConfigError(no_match_error("recompute.select_module", pattern, sorted(seen_paths),
                                              what="module or function in its layers", in_layer=True))
     for pattern, hit in matched_comm.items():
         if not hit:  # communication steps depend on the layout: one config serves several
