@@ -82,7 +82,8 @@ class DeepseekV3Config:
     v_head_dim: int = 128
     """Per-head value dims; at most ``qk_nope_head_dim + qk_rope_head_dim``."""
     qk_layernorm: bool = True
-    """RMSNorm on the q and kv latents (DeepSeek-V3: True). False: identity (not exportable to HF)."""
+    """RMSNorm on the q and kv latents (DeepSeek-V3: True). False: identity (not exportable to HF). A
+    ``pynative.yaml`` section without the key gets MindFormers' default, False (its ``TransformerConfig``)."""
     mla_qkv_concat: bool = True
     """Accepted (a MindFormers weight-layout option); the projections are kept separate here."""
     attention_bias: bool = False
@@ -121,20 +122,26 @@ class DeepseekV3Config:
     rope_theta: float = 10000.0
     """RoPE base."""
     max_position_embeddings: int = 163840
-    """Longest supported position (size of the learned table; HF's YaRN target length)."""
+    """Longest supported position (size of the learned table; HF's YaRN target length). A ``pynative.yaml``
+    section without the key gets MindFormers' default, 4096."""
     scaling_factor: float = 40.0
-    """YaRN scale s (HF ``rope_scaling.factor``); must be >= 1."""
+    """YaRN scale s (HF ``rope_scaling.factor``); must be >= 1. In a ``pynative.yaml`` write it as
+    ``rotary_scaling_factor`` (MindFormers' name, default 40): MindFormers ignores a ``scaling_factor`` key,
+    and so does ``lit_moe fit`` (one line when its value differs)."""
     original_max_position_embeddings: Optional[int] = None
     """YaRN original context length L0 (HF ``rope_scaling.original_max_position_embeddings``).
-    None: ``seq_length`` (the MindFormers rule)."""
+    None: ``seq_length``. A ``pynative.yaml`` section without the key gets ``max_position_embeddings``,
+    which MindFormers' PyNative model passes to YaRN as its original length."""
     beta_fast: float = 32.0
     """YaRN: rotations above which dimensions keep the original frequency."""
     beta_slow: float = 1.0
     """YaRN: rotations below which dimensions are fully interpolated."""
     mscale: float = 1.0
-    """YaRN magnitude factor of cos/sin: m(s, mscale) / m(s, mscale_all_dim), as Hugging Face."""
+    """YaRN magnitude factor of cos/sin: m(s, mscale) / m(s, mscale_all_dim), as Hugging Face. A
+    ``pynative.yaml`` section without the key gets MindFormers' default, 0.707."""
     mscale_all_dim: float = 1.0
-    """YaRN softmax-scale factor: the scale is (d_qk)^-1/2 * m(s, mscale_all_dim)^2 (0 disables)."""
+    """YaRN softmax-scale factor: the scale is (d_qk)^-1/2 * m(s, mscale_all_dim)^2 (0 disables). A
+    ``pynative.yaml`` section without the key gets MindFormers' default, 0.707."""
     nope_layer_interval: Optional[int] = None
     """With rope/yarn: N > 0 puts N rotary layers between consecutive layers without position encoding
     (layers N, 2N+1, 3N+2, ... have none). None or 0: every layer uses the rotary encoding."""
@@ -177,7 +184,9 @@ class DeepseekV3Config:
     topk_group: Optional[int] = 4
     """Groups kept per token (group score = sum of its two best biased scores)."""
     scoring_func: str = "sigmoid"
-    """Router score function: ``sigmoid`` or ``softmax`` (computed in ``router_dense_type``)."""
+    """Router score function: ``sigmoid`` or ``softmax`` (computed in ``router_dense_type``). In a
+    ``pynative.yaml`` write it as ``moe_router_score_function`` (default sigmoid): MindFormers deletes a
+    ``scoring_func`` key, and so does ``lit_moe fit`` (one line when its value differs)."""
     topk_method: str = "noaux_tc"
     """Accepted for Hugging Face compatibility; routing is defined by the fields here."""
     norm_topk_prob: bool = True
@@ -191,7 +200,8 @@ class DeepseekV3Config:
     """Expert-bias update: ``b += rate * sign(mean(counts) - counts)``."""
     moe_router_load_balancing_type: str = "seq_aux_loss"
     """Auxiliary balancing loss: ``seq_aux_loss`` (per sequence, DeepSeek-V3), ``aux_loss`` (per micro-batch)
-    or ``none``. Only computed when ``moe_aux_loss_coeff > 0``."""
+    or ``none``. Only computed when ``moe_aux_loss_coeff > 0``. (MindFormers' default, ``sub_seq_aux_loss``,
+    is unknown to its own PyNative router; a section relying on the default with the loss on gets one line.)"""
     moe_aux_loss_coeff: float = 0.0
     """Weight alpha of the auxiliary loss."""
     moe_expert_capacity_factor: Optional[float] = None
@@ -203,7 +213,8 @@ class DeepseekV3Config:
     """With a capacity: pad every expert to exactly C rows (static shapes; the output is unchanged)."""
     moe_grouped_gemm: bool = True
     """Routed experts through ``torch.nn.functional.grouped_mm`` where it runs; False (or where it does
-    not run) an exact per-expert matmul over each expert's contiguous token slice."""
+    not run) an exact per-expert matmul over each expert's contiguous token slice. (MindFormers' default
+    False cannot build its PyNative MoE; a section relying on the default gets one line.)"""
     moe_token_dispatcher_type: str = "alltoall"
     """Token exchange under expert parallelism (``alltoall`` or ``allgather``); used by the strategy."""
     router_dense_type: str = "float32"
@@ -211,9 +222,11 @@ class DeepseekV3Config:
 
     # ------------------------------------------------------------------ MTP
     num_nextn_predict_layers: int = 0
-    """Multi-token-prediction depth D (0: none). Depth k predicts token i+1+k."""
+    """Multi-token-prediction depth D (0: none). Depth k predicts token i+1+k. A ``pynative.yaml`` section
+    without the key gets MindFormers' DeepSeek-V3 default, 1."""
     mtp_loss_scaling_factor: float = 0.3
-    """lambda: the MTP loss is lambda / D * sum of the per-depth masked mean cross-entropies."""
+    """lambda: the MTP loss is lambda / D * sum of the per-depth masked mean cross-entropies. (MindFormers
+    has no default and fails without one once MTP is on; a section relying on 0.3 gets one line.)"""
 
     # ------------------------------------------------------------------ init, dtypes, tokens
     initializer_range: float = 0.02
@@ -243,7 +256,8 @@ class DeepseekV3Config:
     fails (no compiler, a backend without inductor support) one warning is logged and that part runs
     eagerly."""
     pad_token_id: Optional[int] = None
-    """Written to Hugging Face ``config.json``; not used for masking."""
+    """Written to Hugging Face ``config.json``; not used for masking (MindFormers' default 0 also masks
+    attention to input ids equal to it when the batch has no attention mask)."""
     bos_token_id: Optional[int] = 0
     """Written to Hugging Face ``config.json``."""
     eos_token_id: Any = 1

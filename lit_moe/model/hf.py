@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.names import canonical_name
+from lit_moe.model.names import canonical_name, spelled
 
 log = logging.getLogger(__name__)
 
@@ -156,52 +156,30 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
 # ----------------------------------------------------------------------------------------------
 Slicer = Callable[[torch.Tensor], torch.Tensor]   # our tensor -> view in Hugging Face orientation
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(enorm|hnorm|eh_proj|final_layernorm|layer)\.(.+)$")
+_EXPERTS = re.compile(r"^(.+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _WHOLE: Slicer = lambda t: t  # noqa: E731
 
 
-def _layer_keys(prefix: str, rest: str, t_shape: torch.Size) -> list[tuple[str, Slicer]]:
-    if rest == "pre_mlp_layernorm.weight":
-        return [(prefix + "post_attention_layernorm.weight", _WHOLE)]
-    if rest.startswith("self_attention."):
-        return [(prefix + "self_attn." + rest[len("self_attention."):], _WHOLE)]
-    if rest == "mlp.router.weight":
-        return [(prefix + "mlp.gate.weight", _WHOLE)]
-    if rest == "mlp.router.expert_bias":
-        return [(prefix + "mlp.gate.e_score_correction_bias", _WHOLE)]
-    if rest == "mlp.experts.gate_up_proj":
-        E, _, I2 = t_shape
-        I = I2 // 2
+def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int) -> list[tuple[str, Slicer]]:
+    """Hugging Face keys (with views) that hold our tensor ``name`` (canonical name): its Hugging Face
+    spelling (``lit_moe.model.names``, the one name map), the merged expert tensors split per expert."""
+    top_level = name in ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+    if not (top_level or _LAYER.match(name) or _MTP.match(name)):
+        raise HFCheckpointError(f"{name}: no Hugging Face DeepSeek-V3 equivalent")
+    experts = _EXPERTS.match(name)
+    if experts is None:
+        return [(spelled(name, "huggingface", num_hidden_layers), _WHOLE)]
+    prefix = spelled(experts.group(1), "huggingface", num_hidden_layers) + ".mlp.experts"
+    E = shape[0]
+    if experts.group(2) == "gate_up_proj":
+        I = shape[2] // 2
         out = []
         for j in range(E):
-            out.append((f"{prefix}mlp.experts.{j}.gate_proj.weight", lambda t, j=j: t[j, :, :I].t()))
-            out.append((f"{prefix}mlp.experts.{j}.up_proj.weight", lambda t, j=j: t[j, :, I:].t()))
+            out.append((f"{prefix}.{j}.gate_proj.weight", lambda t, j=j: t[j, :, :I].t()))
+            out.append((f"{prefix}.{j}.up_proj.weight", lambda t, j=j: t[j, :, I:].t()))
         return out
-    if rest == "mlp.experts.down_proj":
-        return [(f"{prefix}mlp.experts.{j}.down_proj.weight", lambda t, j=j: t[j].t()) for j in range(t_shape[0])]
-    return [(prefix + rest, _WHOLE)]
-
-
-def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int) -> list[tuple[str, Slicer]]:
-    """Hugging Face keys (with views) that hold our tensor ``name`` (canonical name)."""
-    if name in ("embed_tokens.weight", "norm.weight"):
-        return [("model." + name, _WHOLE)]
-    if name == "lm_head.weight":
-        return [(name, _WHOLE)]
-    m = _LAYER.match(name)
-    if m:
-        return _layer_keys(f"model.layers.{m.group(1)}.", m.group(2), shape)
-    m = _MTP.match(name)
-    if m:
-        prefix = f"model.layers.{num_hidden_layers + int(m.group(1))}."
-        rest = m.group(2)
-        if rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
-            return [(prefix + rest, _WHOLE)]
-        if rest == "final_layernorm.weight":
-            return [(prefix + "shared_head.norm.weight", _WHOLE)]
-        if rest.startswith("layer."):
-            return _layer_keys(prefix, rest[len("layer."):], shape)
-    raise HFCheckpointError(f"{name}: no Hugging Face DeepSeek-V3 equivalent")
+    return [(f"{prefix}.{j}.down_proj.weight", lambda t, j=j: t[j].t()) for j in range(E)]
 
 
 def _merged_expert_key(hf_key: str) -> Optional[tuple[str, int, str]]:
