@@ -17,6 +17,7 @@ TINY = dict(
     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
     norm_topk_prob=True, scoring_func="sigmoid", moe_router_enable_expert_bias=True, num_nextn_predict_layers=1,
     params_dtype="float32", compute_dtype="float32", rms_norm_eps=1e-6, seq_length=16,
+    qk_layernorm=True,   # stated: a pynative.yaml without it gets MindFormers' default (False)
 )
 
 

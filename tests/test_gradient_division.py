@@ -30,6 +30,7 @@ def model_section() -> dict:
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
                 num_experts_per_tok=2, n_group=2, topk_group=2, n_shared_experts=1, moe_aux_loss_coeff=0.0,
                 num_nextn_predict_layers=0, seq_length=SEQ, max_position_embeddings=64,
+                qk_layernorm=True,   # stated: pynative.yaml's default is MindFormers' False
                 position_embedding_type="rope", params_dtype="float32", compute_dtype="float32",
                 initializer_range=0.05)
 

@@ -150,6 +150,7 @@ def model_section(mtp: int) -> dict:
         moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
         num_nextn_predict_layers=mtp, seq_length=SEQ, max_position_embeddings=256,
+        qk_layernorm=True,   # stated: pynative.yaml's default is MindFormers' False
         position_embedding_type="rope", params_dtype="float32", compute_dtype="float32",
         initializer_range=0.05,
     )

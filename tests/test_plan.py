@@ -242,6 +242,7 @@ def _tiny_pipeline_model(**over) -> dict:
                    num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
                    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
                    num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, num_nextn_predict_layers=0,
+                   qk_layernorm=True,   # stated: pynative.yaml's default is MindFormers' False
                    seq_length=64, max_position_embeddings=128, position_embedding_type="rope",
                    params_dtype="float32", compute_dtype="float32")
     section.update(over)
