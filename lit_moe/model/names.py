@@ -1,13 +1,17 @@
-"""Parameter names as the model defines them, whatever wraps it.
+"""Parameter names as the model defines them, whatever wraps it, and their spellings in MindFormers'
+and Hugging Face's module trees.
 
 Activation checkpointing, FSDP1 and ``torch.compile`` insert a component into parameter names;
-initialisation, optimizer rules and checkpoints are written against the model's own names. A leaf
-module (the model, the optimizer and the checkpoints import it).
+initialisation, optimizer rules and checkpoints are written against the model's own names
+(:func:`canonical_name`). Config keys that name parameters or modules match any spelling
+(:func:`spellings`, the one name map; the Hugging Face export uses it too). A leaf module (the model,
+the optimizer and the checkpoints import it).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from typing import Iterable, Optional
 
@@ -138,6 +142,7 @@ def spelled(name: str, tree: str, num_hidden_layers: Optional[int] = None, *, in
     return _layer_spelling(name, tree)
 
 
+@functools.lru_cache(maxsize=1 << 16)   # matched per parameter and step by the monitor filters
 def spellings(name: str, num_hidden_layers: Optional[int] = None, *, in_layer: bool = False) -> tuple[str, ...]:
     """``name`` in every tree of :data:`SPELLINGS` (lit_moe's first, duplicates dropped)."""
     out: list[str] = []
