@@ -92,6 +92,13 @@ def _given(section: dict, field: str) -> bool:
                                         for d in _ROPE_DICTS)
 
 
+def _safely(condition: _Condition, section: dict) -> bool:
+    try:
+        return bool(condition(section))
+    except (TypeError, ValueError):   # a bad value: DeepseekV3Config names it in its own error line
+        return False
+
+
 def read_pynative_model_section(section: dict) -> dict:
     """``section`` as MindFormers reads it, ready for ``DeepseekV3Config(**...)``."""
     from lit_moe.model.config import DeepseekV3Config
@@ -113,7 +120,7 @@ def read_pynative_model_section(section: dict) -> dict:
                 _note(f"model.{key}: {value!r} has no effect, as in MindFormers (which reads {alias}); "
                       f"{alias} is {effective!r}; write {alias}: {value!r} to use it")
     for field, (why, relies) in KEPT.items():
-        if relies is not None and not _given(out, field) and relies(out):
+        if relies is not None and not _given(out, field) and _safely(relies, out):
             _note(f"model.{field}: not set; lit_moe uses {defaults[field]!r}, MindFormers' default is "
                   f"{MINDFORMERS_DEFAULTS[field]!r} ({why})")
     return out
