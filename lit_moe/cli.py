@@ -192,8 +192,11 @@ class Run:
                 raise ConfigError(f"trainer.{key}: {explicit[key]!r} is not used by lit_moe's training step; "
                                   f"set {home}")
         merged = {**defaults, **explicit}
-        if merged.get("strategy") in (None, "auto"):
+        if merged.get("strategy") in (None, "auto", type(self.strategy).strategy_name):
             merged["strategy"] = self.strategy
+        elif merged["strategy"] is not self.strategy:
+            raise ConfigError(f"trainer.strategy: {merged['strategy']!r} cannot run lit_moe's training step; the "
+                              "layout comes from the parallelism section (remove trainer.strategy)")
         if "logger" in explicit:  # trainer.logger: extra loggers beside the TensorBoard dashboards
             merged["logger"] = combine_loggers(self.logger, explicit["logger"]) or False
         callbacks = [RunSummary(self.model_config, self.training.global_batch_size, self.training.local_batch_size,
@@ -251,6 +254,16 @@ def _accelerator_from_context(context: ContextConfig) -> Optional[str]:
         raise ConfigError(f"context.device_target: unknown device {context.device_target!r}; "
                           "supported: cpu, cuda (gpu), npu (Ascend)")
     return table[target]
+
+
+def _check_accelerator_available(name: str) -> None:
+    """``trainer.accelerator`` (or ``context.device_target``) names an accelerator this machine has
+    (Lightning itself reports an unknown name)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    if name in AcceleratorRegistry and not AcceleratorRegistry[name]["accelerator"].is_available():
+        raise ConfigError(f"trainer.accelerator: {name!r} is not available on this machine (no device or its "
+                          "library is not installed)")
 
 
 def _as_dataclass(value: Any, cls: type) -> Any:
@@ -361,6 +374,8 @@ def build_run(cfg: Any) -> Run:
     if accelerator == "auto":  # what Lightning's "auto" picks: an available accelerator, else the CPU
         accelerator = next((name for name in ("cuda", "npu")
                             if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
+    else:
+        _check_accelerator_available(accelerator)
     nodes = int(trainer_section.get("num_nodes", 1) or 1)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
@@ -473,6 +488,21 @@ def _remember_run_config(cfg: dict, config_paths: list[str]) -> None:
     _CONFIG_DIR[:] = [os.path.dirname(os.path.abspath(config_paths[0]))] if config_paths else []
 
 
+def _check_trainer_classes(trainer: Any) -> None:
+    """``trainer.logger`` / ``trainer.callbacks`` given by ``class_path``: one line naming the class or
+    argument that is wrong, before jsonargparse reports only that no type of its union matched."""
+    if not isinstance(trainer, dict):
+        return
+    from lightning.pytorch import Callback
+    from lightning.pytorch.loggers import Logger
+
+    from lit_moe.callbacks.user import check_class_specs
+
+    base_dir = _CONFIG_DIR[0] if _CONFIG_DIR else None
+    for key, base in (("logger", Logger), ("callbacks", Callback)):
+        check_class_specs(trainer.get(key), f"trainer.{key}", base, base_dir)
+
+
 def printable_config(cfg: dict) -> dict:
     """The run's configuration as ``--print_config`` prints it: every fixed section with its defaults
     filled in, the open sections as written, and only the ``trainer`` keys the user set (Lightning's
@@ -489,11 +519,6 @@ def printable_config(cfg: dict) -> dict:
         if cfg.get(name) is not None:
             out[name] = cfg[name]
     return out
-
-
-def _one_line(message: str) -> str:
-    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
-    return " ".join(lines[:3]) if lines else "invalid configuration"
 
 
 SUBCOMMANDS = {
@@ -533,11 +558,13 @@ def main(args: Optional[list[str]] = None) -> int:
             return int(exit_.code or 0)
         return 0
     from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from lit_moe.callbacks import SkipLimitExceeded
     from lit_moe.checkpoint.auto_resume import RunFinished
     from lit_moe.preemption import exit_status
     from lit_moe.config_file import load_run_config
+    from lit_moe.tool_errors import one_line
 
     import warnings
 
@@ -552,16 +579,20 @@ def main(args: Optional[list[str]] = None) -> int:
         if rest:
             raise ConfigError(f"unexpected argument {rest[0]!r}; options are --config FILE and --SECTION.KEY VALUE")
         _remember_run_config(cfg, config_paths)
+        _check_trainer_classes(cfg.get("trainer"))
         with warnings.catch_warnings():
             # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
             LitMoECLI(args={"subcommand": "fit", "fit": cfg})
         _close_process_group()
-    except (ConfigError, ArgumentError) as err:
-        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+    except (ConfigError, ArgumentError, MisconfigurationException) as err:
+        # The one handler of a user's configuration errors: lit_moe's own (ConfigError, and the
+        # CheckpointError / ParallelismError / PipelineError derived from it), jsonargparse's and
+        # Lightning's, wherever they are raised (also inside Trainer.fit's setup)
+        print(f"lit_moe: error: {one_line(err)}", file=sys.stderr)
         return 2
     except SkipLimitExceeded as err:
-        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+        print(f"lit_moe: error: {one_line(err)}", file=sys.stderr)
         return 1
     except RunFinished as done:
         print(f"lit_moe: {done}", file=sys.stderr)

@@ -455,7 +455,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"unexpected argument {unknown[0]!r}")
         plan(args.config, args.world_size, overrides=overrides)
     except (ConfigError, ValueError) as err:
-        print(f"lit_moe plan: error: {err}", file=sys.stderr)
+        from lit_moe.tool_errors import one_line
+
+        print(f"lit_moe plan: error: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
 
