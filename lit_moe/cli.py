@@ -288,7 +288,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
-    from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
+    from lit_moe.strategies.plan import check_layout
 
     run = Run(cfg)
     training: TrainingConfig = _as_dataclass(cfg.get("training"), TrainingConfig)
@@ -321,26 +321,17 @@ def build_run(cfg: Any) -> Run:
         dl_config["vocab_size"] = model_config.vocab_size
 
     world_size = world_size_from(trainer_section)
-    check_parallelism_keys(parallelism)
-    dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
-                        tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
-                        pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
-    dims.validate_model(model_config, seq_length)
-    check_parallel_layout(parallelism, dims, model_config)
-    check_rampup_batch_size(training, dims.dp)
-    check_not_yet_sections(swap, recompute, cfg)
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
         from lit_moe.convert_config import global_batch_from_accumulation
 
-        training.global_batch_size = global_batch_from_accumulation(gas, dims.dp, training.local_batch_size)
+        data_parallel = ParallelDims.from_config(parallelism, world_size).dp
+        training.global_batch_size = global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
-    accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
-    if dims.pp > 1:
-        from lit_moe.strategies.pipeline import check_pipeline_run
-
-        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
+    dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
+    check_rampup_batch_size(training, dims.dp)
+    check_not_yet_sections(swap, recompute, cfg)
 
     try:
         from lit_moe.strategies.recompute import validate_recompute
