@@ -192,6 +192,10 @@ class Run:
                 raise ConfigError(f"trainer.{key}: {explicit[key]!r} is not used by lit_moe's training step; "
                                   f"set {home}")
         merged = {**defaults, **explicit}
+        fast = merged.pop("fast_dev_run", False)
+        if fast:  # Lightning's counts micro-batches; here it is optimizer steps, and no logging
+            merged.update(max_steps=1 if fast is True else int(fast), logger=False)
+            explicit.pop("logger", None)
         if merged.get("strategy") in (None, "auto", type(self.strategy).strategy_name):
             merged["strategy"] = self.strategy
         elif merged["strategy"] is not self.strategy:
@@ -387,6 +391,11 @@ def build_run(cfg: Any) -> Run:
                         weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
+    step_samples, train_samples = accumulation * training.local_batch_size * dims.dp, run.datamodule.spec.sizes[0]
+    if train_samples is not None and step_samples > train_samples:
+        raise ConfigError(f"training.global_batch_size: one optimizer step takes {step_samples:,} samples (accumulation "
+                          f"{accumulation:,} x local batch {training.local_batch_size} x data parallel {dims.dp}), more "
+                          f"than the train split's {train_samples:,} (train_dataset.dataloader.sizes[0])")
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
     if not isinstance(fp32_grads, bool):
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
