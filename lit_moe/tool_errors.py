@@ -126,9 +126,14 @@ def run_tool(tool: str, module: str, argv: list[str]) -> int:
     except ToolPathError as err:
         print(f"lit_moe {tool}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    from lit_moe.config import ConfigError
+
     main = importlib.import_module(module).main
     try:
         return int(main(argv) or 0)
+    except ConfigError as err:  # a tool that lets its configuration error through
+        print(f"lit_moe {tool}: error: {one_line(err)}", file=sys.stderr)
+        return 2
     except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, zlib.error, gzip.BadGzipFile) as err:
         print(f"lit_moe {tool}: error: {one_line(_describe(err, tool, argv))}", file=sys.stderr)
         return 2

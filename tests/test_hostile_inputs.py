@@ -215,3 +215,16 @@ def test_fast_dev_run_is_one_optimizer_step(tmp_path, capsys):
                  "--trainer.enable_progress_bar", "false"]) == 0, capsys.readouterr().err[-3000:]
     captured = capsys.readouterr()
     assert "step 1/4" in captured.out + captured.err and "step 2/4" not in captured.out + captured.err
+
+
+def test_plan_and_convert_config_share_the_file_rules_and_the_bounded_line(tmp_path, capsys):
+    """The other readers of a config: a FIFO is refused unopened, a 200 kB value is cut."""
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for argv in (["plan", "--config", str(tmp_path / "fifo.yaml"), "-n", "1"],
+                 ["convert-config", str(tmp_path / "fifo.yaml"), "-o", str(tmp_path / "out.yaml")]):
+        line = _one_line(capsys, argv)
+        assert "fifo.yaml" in line and "not a regular file" in line, line
+    cfg = tiny_config(tmp_path)
+    cfg["parallelism"]["tensor_parallel"] = "y" * 200_000
+    line = _one_line(capsys, ["plan", "--config", str(write_config(tmp_path, cfg)), "-n", "1"])
+    assert "tensor_parallel" in line and len(line) < 1200, line[:300]
