@@ -369,6 +369,7 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
+    zero_bubble_fsdp = layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1
     if layout.schedule in ("interleaved_zb", "zbv") and config.torch_compile is not False:
         # torch's input-gradient pass keeps the graph for the weight-gradient pass (retain_graph),
         # which compiled backwards refuse while AOT autograd donates their saved buffers
