@@ -228,3 +228,12 @@ def test_plan_and_convert_config_share_the_file_rules_and_the_bounded_line(tmp_p
     cfg["parallelism"]["tensor_parallel"] = "y" * 200_000
     line = _one_line(capsys, ["plan", "--config", str(write_config(tmp_path, cfg)), "-n", "1"])
     assert "tensor_parallel" in line and len(line) < 1200, line[:300]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_tracker_that_is_not_a_file_is_one_line_at_load(tmp_path, kind):
+    from lit_moe.checkpoint.layout import TRACKER, CheckpointError, read_tracker
+
+    (os.mkfifo if kind == "fifo" else os.mkdir)(tmp_path / TRACKER)
+    with pytest.raises(CheckpointError, match="tracker .* (not a regular file|Is a directory)"):
+        read_tracker(tmp_path)
