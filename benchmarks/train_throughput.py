@@ -363,7 +363,7 @@ def lit_config(spec: dict, steps: int, callbacks: list, model_overrides: dict, o
                 "config": {"split": "1, 0, 0", "seq_length": seq, "eod_mask_loss": False,
                            "reset_position_ids": False, "create_attention_mask": False,
                            "reset_attention_mask": False, "create_compressed_eod_mask": False,
-                           "eod": 1, "pad": -1},
+                           "eod": 1, "pad": -1, "mock": True},
                 "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
                 "shuffle": False, "python_multiprocessing": False,
             },

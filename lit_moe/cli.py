@@ -192,8 +192,15 @@ class Run:
                 raise ConfigError(f"trainer.{key}: {explicit[key]!r} is not used by lit_moe's training step; "
                                   f"set {home}")
         merged = {**defaults, **explicit}
-        if merged.get("strategy") in (None, "auto"):
+        fast = merged.pop("fast_dev_run", False)
+        if fast:  # Lightning's counts micro-batches; here it is optimizer steps, and no logging
+            merged.update(max_steps=1 if fast is True else int(fast), logger=False)
+            explicit.pop("logger", None)
+        if merged.get("strategy") in (None, "auto", type(self.strategy).strategy_name):
             merged["strategy"] = self.strategy
+        elif merged["strategy"] is not self.strategy:
+            raise ConfigError(f"trainer.strategy: {merged['strategy']!r} cannot run lit_moe's training step; the "
+                              "layout comes from the parallelism section (remove trainer.strategy)")
         if "logger" in explicit:  # trainer.logger: extra loggers beside the TensorBoard dashboards
             merged["logger"] = combine_loggers(self.logger, explicit["logger"]) or False
         callbacks = [RunSummary(self.model_config, self.training.global_batch_size, self.training.local_batch_size,
@@ -253,6 +260,16 @@ def _accelerator_from_context(context: ContextConfig) -> Optional[str]:
     return table[target]
 
 
+def _check_accelerator_available(name: str) -> None:
+    """``trainer.accelerator`` (or ``context.device_target``) names an accelerator this machine has
+    (Lightning itself reports an unknown name)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    if name in AcceleratorRegistry and not AcceleratorRegistry[name]["accelerator"].is_available():
+        raise ConfigError(f"trainer.accelerator: {name!r} is not available on this machine (no device or its "
+                          "library is not installed)")
+
+
 def _as_dataclass(value: Any, cls: type) -> Any:
     if isinstance(value, cls):
         return value
@@ -277,7 +294,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
-    from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
+    from lit_moe.strategies.plan import check_layout
 
     run = Run(cfg)
     training: TrainingConfig = _as_dataclass(cfg.get("training"), TrainingConfig)
@@ -310,26 +327,17 @@ def build_run(cfg: Any) -> Run:
         dl_config["vocab_size"] = model_config.vocab_size
 
     world_size = world_size_from(trainer_section)
-    check_parallelism_keys(parallelism)
-    dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
-                        tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
-                        pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
-    dims.validate_model(model_config, seq_length)
-    check_parallel_layout(parallelism, dims, model_config)
-    check_rampup_batch_size(training, dims.dp)
-    check_not_yet_sections(swap, recompute, cfg)
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
         from lit_moe.convert_config import global_batch_from_accumulation
 
-        training.global_batch_size = global_batch_from_accumulation(gas, dims.dp, training.local_batch_size)
+        data_parallel = ParallelDims.from_config(parallelism, world_size).dp
+        training.global_batch_size = global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
-    accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
-    if dims.pp > 1:
-        from lit_moe.strategies.pipeline import check_pipeline_run
-
-        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
+    dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
+    check_rampup_batch_size(training, dims.dp)
+    check_not_yet_sections(swap, recompute, cfg)
 
     try:
         from lit_moe.strategies.recompute import validate_recompute
@@ -364,6 +372,8 @@ def build_run(cfg: Any) -> Run:
     if accelerator == "auto":  # what Lightning's "auto" picks: an available accelerator, else the CPU
         accelerator = next((name for name in ("cuda", "npu")
                             if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
+    else:
+        _check_accelerator_available(accelerator)
     nodes = int(trainer_section.get("num_nodes", 1) or 1)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
@@ -384,6 +394,11 @@ def build_run(cfg: Any) -> Run:
                         weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
+    step_samples, train_samples = accumulation * training.local_batch_size * dims.dp, run.datamodule.spec.sizes[0]
+    if train_samples is not None and step_samples > train_samples:
+        raise ConfigError(f"training.global_batch_size: one optimizer step takes {step_samples:,} samples (accumulation "
+                          f"{accumulation:,} x local batch {training.local_batch_size} x data parallel {dims.dp}), more "
+                          f"than the train split's {train_samples:,} (train_dataset.dataloader.sizes[0])")
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
     if not isinstance(fp32_grads, bool):
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
@@ -500,6 +515,21 @@ def check_sections(cfg: Any) -> None:
     check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), cfg.get("monitor"))
 
 
+def _check_trainer_classes(trainer: Any) -> None:
+    """``trainer.logger`` / ``trainer.callbacks`` given by ``class_path``: one line naming the class or
+    argument that is wrong, before jsonargparse reports only that no type of its union matched."""
+    if not isinstance(trainer, dict):
+        return
+    from lightning.pytorch import Callback
+    from lightning.pytorch.loggers import Logger
+
+    from lit_moe.callbacks.user import check_class_specs
+
+    base_dir = _CONFIG_DIR[0] if _CONFIG_DIR else None
+    for key, base in (("logger", Logger), ("callbacks", Callback)):
+        check_class_specs(trainer.get(key), f"trainer.{key}", base, base_dir)
+
+
 def printable_config(cfg: dict) -> dict:
     """The run's configuration as ``--print_config`` prints it: every fixed section with its defaults
     filled in, the open sections as written, and only the ``trainer`` keys the user set (Lightning's
@@ -516,11 +546,6 @@ def printable_config(cfg: dict) -> dict:
         if cfg.get(name) is not None:
             out[name] = cfg[name]
     return out
-
-
-def _one_line(message: str) -> str:
-    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
-    return " ".join(lines[:3]) if lines else "invalid configuration"
 
 
 SUBCOMMANDS = {
@@ -560,11 +585,13 @@ def main(args: Optional[list[str]] = None) -> int:
             return int(exit_.code or 0)
         return 0
     from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from lit_moe.callbacks import SkipLimitExceeded
     from lit_moe.checkpoint.auto_resume import RunFinished
     from lit_moe.preemption import exit_status
     from lit_moe.config_file import load_run_config
+    from lit_moe.tool_errors import one_line
 
     import warnings
 
@@ -580,16 +607,20 @@ def main(args: Optional[list[str]] = None) -> int:
         if rest:
             raise ConfigError(f"unexpected argument {rest[0]!r}; options are --config FILE and --SECTION.KEY VALUE")
         _remember_run_config(cfg, config_paths)
+        _check_trainer_classes(cfg.get("trainer"))
         with warnings.catch_warnings():
             # In-process callers (tests, notebooks) pass args while sys.argv holds their own.
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
             LitMoECLI(args={"subcommand": "fit", "fit": cfg})
         _close_process_group()
-    except (ConfigError, ArgumentError) as err:
-        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+    except (ConfigError, ArgumentError, MisconfigurationException) as err:
+        # The one handler of a user's configuration errors: lit_moe's own (ConfigError, and the
+        # CheckpointError / ParallelismError / PipelineError derived from it), jsonargparse's and
+        # Lightning's, wherever they are raised (also inside Trainer.fit's setup)
+        print(f"lit_moe: error: {one_line(err)}", file=sys.stderr)
         return 2
     except SkipLimitExceeded as err:
-        print(f"lit_moe: error: {_one_line(err)}", file=sys.stderr)
+        print(f"lit_moe: error: {one_line(err)}", file=sys.stderr)
         return 1
     except RunFinished as done:
         print(f"lit_moe: {done}", file=sys.stderr)

@@ -362,7 +362,9 @@ class AffinityConfig:
     """Bind processes to CPUs."""
     affinity_cpu_list: Optional[dict[str, Any]] = None
     """``{"device0": ["0-7"], ...}`` or the seed's ``{"device0": {"affinity_cpu_list": [...],
-    "module_to_cpu_dict": {...}}}``: CPUs for each local rank's main process and its data workers."""
+    "module_to_cpu_dict": {...}}}``: CPUs for each local rank's main process and its data workers.
+    MindFormers' own form, ``device_X`` keys directly under ``affinity_config`` (no ``enable``), means
+    the same with ``enable: true``."""
 
 
 @dataclass
@@ -654,10 +656,31 @@ GRAPH_MODE_KEYS = frozenset({"run_mode", "use_parallel", "runner_config", "paral
                              "auto_trans_ckpt", "only_save_strategy", "resume_training", "use_legacy"})
 
 
+def _affinity_mindformers_form(cfg: dict) -> None:
+    """``context.affinity_config: {device_0: {...}, ...}`` (MindFormers' form, binding on when devices are
+    listed) rewritten in place as ``{enable: true, affinity_cpu_list: {device_0: {...}, ...}}``."""
+    import re
+
+    context = cfg.get("context")
+    affinity = context.get("affinity_config") if isinstance(context, dict) else None
+    if not isinstance(affinity, dict):
+        return
+    devices = {k: v for k, v in affinity.items() if re.fullmatch(r"device_?\d+", str(k))}
+    if not devices:
+        return
+    if affinity.get("affinity_cpu_list") is not None:
+        raise ConfigError(f"context.affinity_config.{next(iter(devices))}: give the devices either directly under "
+                          "affinity_config (MindFormers' form) or under affinity_cpu_list, not both")
+    rest = {k: v for k, v in affinity.items() if k not in devices}
+    context["affinity_config"] = {"enable": True, **rest, "affinity_cpu_list": devices}
+
+
 def check_top_level(cfg: dict) -> None:
-    """Unknown or misplaced keys of a whole configuration, each a one-line error."""
+    """Unknown or misplaced keys of a whole configuration, each a one-line error (MindFormers' form of
+    ``context.affinity_config`` is rewritten as the typed section's first)."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"the configuration must be a mapping of sections, got {type(cfg).__name__}")
+    _affinity_mindformers_form(cfg)
     model = cfg.get("model")
     if isinstance(model, dict) and "model_config" in model:
         raise ConfigError(GRAPH_MODEL_BLOCK)

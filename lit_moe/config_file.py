@@ -11,12 +11,15 @@ Every config path goes through here (``lit_moe fit``, ``lit_moe plan``, ``conver
   beyond ``MAX_DEPTH`` or refer to themselves (an "alias bomb" is refused in milliseconds, before
   anything is built from it);
 * ``--a.b.c VALUE`` sets one key at any depth and keeps its siblings; VALUE is read as YAML there
-  (``true``, ``[1, 2]``, ``{k: v}``), and a number written with an exponent (``1e-5``, which YAML
-  1.1 leaves a string) is a float. Several ``--config`` files merge the same way, in order.
+  (``true``, ``[1, 2]``, ``{k: v}``). Several ``--config`` files merge the same way, in order;
+* numbers are read as YAML 1.2 reads them: ``3.76e14``, ``1e-5`` and ``1.e-8`` are floats in files and
+  overrides alike (YAML 1.1, PyYAML's default, leaves an exponent without a dot or sign a string);
+* only a regular file is read (a FIFO, a device or a socket could block the read forever).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Iterable, Optional
 
@@ -31,10 +34,20 @@ MAX_BYTES = 16 * 1024 ** 2
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+# YAML 1.2's float forms (PyYAML's YAML 1.1 resolver wants a dot and a signed exponent: ``1.0e+14``).
+_FLOAT_1_2 = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """``SafeLoader`` that refuses a key repeated within one mapping."""
+    """``SafeLoader`` that refuses a key repeated within one mapping and reads YAML 1.2 floats."""
 
     source = "<string>"
+    # Own copy of the resolvers, float resolved after int (ints still resolve as ints).
+    yaml_implicit_resolvers = {key: [(tag, rx) for tag, rx in value if tag != "tag:yaml.org,2002:float"]
+                               for key, value in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -53,6 +66,9 @@ class _StrictLoader(yaml.SafeLoader):
                     raise ConfigError(f"{self.source}: key {key!r} is given twice in one mapping (lines {first} "
                                       f"and {line}); keep one")
         return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2, list("-+0123456789."))
 
 
 def _check_expansion(root: yaml.Node, source: str) -> None:
@@ -113,6 +129,8 @@ def parse_yaml(text: str, source: str) -> Any:
 def read_text(path: str, field: str) -> str:
     """A UTF-8 text file's contents; every way it can fail is one line naming ``field`` and ``path``."""
     try:
+        if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+            raise ConfigError(f"{field}: {path!r} is not a regular file (a FIFO, device or socket); give a YAML file")
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)
     except IsADirectoryError:
@@ -144,17 +162,11 @@ def load_yaml(path: str, field: str = "--config") -> dict:
 # ----------------------------------------------------------------------------------------------
 # merging and dotted overrides
 # ----------------------------------------------------------------------------------------------
-_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
 def parse_value(text: str, option: str) -> Any:
     """A command-line value read as YAML (``true`` → True, ``[0-3]`` → ["0-3"], ``1e-5`` → 1e-05)."""
     if text == "":
         return ""
-    value = parse_yaml(text, option)
-    if isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
-        return float(value)
-    return value
+    return parse_yaml(text, option)
 
 
 def merge(base: dict, other: dict) -> dict:

@@ -896,7 +896,9 @@ def main(argv: list[str]) -> int:
         graph = load_yaml(args.graph, field="graph.yaml")
         result = convert(graph, args.world_size, args.steps)
     except ConfigError as err:
-        print(f"lit_moe convert-config: error: {' '.join(str(err).split())}", file=sys.stderr)
+        from lit_moe.tool_errors import one_line
+
+        print(f"lit_moe convert-config: error: {one_line(err)}", file=sys.stderr)
         return 2
     text = to_yaml(result, args.graph)
     if result.dropped:

@@ -224,6 +224,19 @@ class LitMoE(LightningModule):
             self._set_aside([self._transfer(b) for b, _, _ in dataloader_iter])
         return batches
 
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples trained on so far: the DataModule's count (what its loader's saved state
+        holds and a resume continues after), the run's one consumed-samples number. With other data:
+        steps × the samples of one step (accumulation × local batch × data parallel)."""
+        from lit_moe.data import MegatronDataModule
+
+        dm = self.trainer.datamodule
+        if isinstance(dm, MegatronDataModule):
+            return dm.consumed_samples
+        return (self.trainer.global_step * self.accumulation_steps * self.training_config.local_batch_size
+                * self.step_strategy.parallel_dims.dp)
+
     def _dm_samples(self, batches: list[Batch], sign: int) -> None:
         """Move the DataModule's consumed-samples count by the samples of ``batches`` (it counts a
         micro-batch when it reaches the device)."""
@@ -409,7 +422,7 @@ class LitMoE(LightningModule):
             lr=lr,
             skipped=skip if skip is not None else False,
             skipped_steps=skipped_steps,
-            consumed_samples=step * self.training_config.global_batch_size,
+            consumed_samples=self.consumed_samples,
             tokens=tokens,
             step_time=self._step_wall_time(),
             micro_losses=tuple(self._micro_losses),

@@ -86,7 +86,9 @@ class StepMetrics:
     * ``lr``: learning rate of the first parameter group that this update used.
     * ``skipped``: a :class:`StepGuard` vetoed this update (parameters, optimizer and schedule untouched).
     * ``skipped_steps``: skipped updates so far in the whole run (resumed runs included).
-    * ``consumed_samples``: global samples trained on so far: ``step × global_batch_size``.
+    * ``consumed_samples``: global samples trained on so far (``LitMoE.consumed_samples``: the DataModule's
+      count, ``step × accumulation × local_batch_size × data_parallel``; a ``global_batch_size`` that is
+      not a multiple of ``local_batch_size × data_parallel`` drops its remainder).
     * ``tokens``: tokens of this step's global batch, each counted once however many ranks worked on it.
     * ``step_time``: wall seconds since the previous step ended (data fetching, every micro-batch and
       the previous step's callbacks included); the first step: since training started. Host time:

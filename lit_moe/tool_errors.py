@@ -30,6 +30,23 @@ INPUTS = {
 }
 
 
+MAX_TOKEN_CHARS = 160   # a longer run of non-space characters in an error line is cut in the middle
+MAX_LINE_CHARS = 1000
+
+
+def one_line(message: object) -> str:
+    """An error message as one bounded line: its first three non-empty lines joined, each run of
+    non-space characters longer than ``MAX_TOKEN_CHARS`` (a 200 kB value pasted into a key) cut to
+    its start and end with the number of characters left out, the whole at most ``MAX_LINE_CHARS``."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    words = " ".join(lines[:3]).split(" ") if lines else ["invalid", "configuration"]
+    keep = MAX_TOKEN_CHARS // 2
+    cut = [w if len(w) <= MAX_TOKEN_CHARS else f"{w[:keep]}…[{len(w) - keep - 20:,} characters]…{w[-20:]}"
+           for w in words]
+    line = " ".join(cut)
+    return line if len(line) <= MAX_LINE_CHARS else line[:MAX_LINE_CHARS - 1] + "…"
+
+
 class ToolPathError(Exception):
     """A bad output path, found before the tool writes anything."""
 
@@ -107,11 +124,16 @@ def run_tool(tool: str, module: str, argv: list[str]) -> int:
     try:
         check_outputs(tool, argv)
     except ToolPathError as err:
-        print(f"lit_moe {tool}: error: {err}", file=sys.stderr)
+        print(f"lit_moe {tool}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    from lit_moe.config import ConfigError
+
     main = importlib.import_module(module).main
     try:
         return int(main(argv) or 0)
+    except ConfigError as err:  # a tool that lets its configuration error through
+        print(f"lit_moe {tool}: error: {one_line(err)}", file=sys.stderr)
+        return 2
     except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, zlib.error, gzip.BadGzipFile) as err:
-        print(f"lit_moe {tool}: error: {_describe(err, tool, argv)}", file=sys.stderr)
+        print(f"lit_moe {tool}: error: {one_line(_describe(err, tool, argv))}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ def tiny_config(tmp_path: Path, *, steps: int = 2, mock_data: bool = True, **ove
     dl["sizes"] = [steps * 4 * 4, 0, 0]
     if mock_data:
         dl["config"].pop("data_path", None)
+        dl["config"]["mock"] = True
     cfg["train_dataset"]["num_parallel_workers"] = 0
     for section, values in overrides.items():
         if isinstance(values, dict) and isinstance(cfg.get(section), dict):

@@ -412,6 +412,7 @@ def test_converted_file_plans_and_trains_two_steps(tmp_path, capsys):
     # to CPUs this machine has
     cfg = pyn["train_dataset"]["dataloader"]["config"]
     cfg.pop("data_path")
+    cfg["mock"] = True
     cfg["vocab_size"] = pyn["model"]["vocab_size"]
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     device_0 = pyn["context"]["affinity_config"]["affinity_cpu_list"]["device_0"]

@@ -201,11 +201,11 @@ def test_mock_data_matches_megatron_mock():
         low = m.gpt_dataset.MockGPTLowLevelDataset(cfg.tokenizer)
         ref = m.gpt_dataset.MockGPTDataset(low, None, np.arange(5000, dtype=np.int32), 40, m.Split.train, cfg)
     ours_cfg = GPTDatasetConfig.from_dict({"seq_length": 64, "eod": EOD, "vocab_size": 1000,
-                                           "create_attention_mask": True})
+                                           "create_attention_mask": True, "mock": True})
     ours = GPTDataset(MockLowLevelDataset(EOD, 1000), None, np.arange(5000), 40, "train", ours_cfg)
     assert len(ours) == len(ref)
     assert_same_samples(ours, ref, count=40)
-    # no data_path at all → mock data through the public entry point
+    # mock: true → mock data through the public entry point
     train = build_datasets(dataloader_section(1024, None, sizes=(40, 0, 0)))[0]
     assert len(train) >= 40 and train[0]["input_ids"].shape == (1024,)
 

@@ -131,6 +131,8 @@ def dataloader_section(seq_length: int, data_path=None, sizes=(100, 0, 0), split
     if data_path is not None:
         cfg["data_path"] = data_path
         cfg["split"] = split
+    elif not any(k.endswith("data_path") for k in config):
+        cfg["mock"] = True   # no data path: mock data, asked for by name
     cfg.update(config)
     section = {"type": "BlendedMegatronDatasetDataLoader", "datasets_type": "GPTDataset",
                "sizes": list(sizes), "config": cfg}

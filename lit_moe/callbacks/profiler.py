@@ -58,6 +58,9 @@ class StepProfiler(Callback):
             raise ConfigError(f"profiler.profiler_rank: expected a list of ranks >= 0, got {profiler_rank!r}")
         self.start_step, self.end_step = start_step, end_step
         self.output_path = output_path or DEFAULT_OUTPUT_PATH
+        from lit_moe.checkpoint.auto_resume import check_writable
+
+        check_writable(self.output_path, "profiler.output_path")  # now, not when the trace is written
         self.profiler_rank = None if profiler_rank is None else set(profiler_rank)
         self.profile_memory = profile_memory
         self.with_stack = with_stack

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from lightning.pytorch import Callback
 
-from lit_moe.config import ConfigError
+from lit_moe.config import ConfigError, suggest
 
 _BARE_NAME_MODULES = ("lightning.pytorch.callbacks", "lit_moe.callbacks")
 
@@ -44,6 +44,11 @@ def _import_class(path: str, field: str, search_dirs: list[str]) -> type:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from None
+    except SyntaxError as e:
+        raise ConfigError(f"{field}: module {module_name!r} has a syntax error ({e.filename}, line {e.lineno}: "
+                          f"{e.msg})") from None
+    except Exception as e:  # the module's own code failed while it was imported
+        raise ConfigError(f"{field}: importing module {module_name!r} raised {type(e).__name__}: {e}") from None
     if not hasattr(module, class_name):
         raise ConfigError(f"{field}: module {module_name!r} has no {class_name!r}")
     return getattr(module, class_name)
@@ -85,3 +90,33 @@ def load_callbacks(specs: Optional[Iterable[Any]], base_dir: Optional[str] = Non
         except TypeError as e:
             raise ConfigError(f"{field}.init_args: {path}: {e}") from None
     return callbacks
+
+
+def check_class_specs(value: Any, field: str, base: type, base_dir: Optional[str] = None) -> None:
+    """A Lightning argument given as ``{class_path, init_args}`` (or a list of them, e.g.
+    ``trainer.logger``): the class imports, is a ``base``, and takes every ``init_args`` key, each
+    checked here so that an error names the class and the argument (jsonargparse would report only
+    that no type of the argument's union matched). Other values are left to jsonargparse."""
+    import inspect
+
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for i, spec in enumerate(items):
+        where = f"{field}[{i}]" if isinstance(value, (list, tuple)) else field
+        if not isinstance(spec, dict) or "class_path" not in spec:
+            continue
+        path, kwargs = spec["class_path"], spec.get("init_args") or {}
+        if not isinstance(path, str) or "." not in path:
+            raise ConfigError(f"{where}.class_path: expected 'module.ClassName', got {path!r}")
+        cls = _import_class(path, f"{where}.class_path", [os.path.abspath(base_dir) if base_dir else "", os.getcwd()])
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(f"{where}.class_path: {path!r} is not a {base.__module__}.{base.__qualname__}")
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"{where}.init_args: expected a mapping, got {kwargs!r}")
+        params = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        names = [n for n in params if n != "self"]
+        for key in kwargs:
+            if key not in names:
+                raise ConfigError(f"{where}.init_args.{key}: {path} takes no argument {key!r}"
+                                  f"{suggest(str(key), names)}; it takes " + ", ".join(names))

@@ -216,6 +216,10 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
                           f"{checkpoint.override_schedule!r}")
     save = Path(checkpoint.save_path).expanduser() if checkpoint.enable_save and checkpoint.save_path else None
     auto = False
+    if save is not None and (save / TRACKER).exists() and not (save / TRACKER).is_file():
+        # every save ends by replacing this file: refused now, not after the first save's shards are written
+        raise CheckpointError(f"checkpoint.save_path: {save / TRACKER} is not a file (a directory?); the tracker "
+                              "file of the saves cannot be written there. Remove it or use another save_path")
     if save is not None and save.is_dir():
         recover(save)
         if not checkpoint.load_path and _holds_checkpoints(save):

@@ -48,6 +48,7 @@ from lit_moe.checkpoint.layout import iteration_name, read_tracker
 from lit_moe.checkpoint.resume import RNG_STATE
 from lit_moe.checkpoint.sharded import assign_writers, pieces_of, stage
 from lit_moe.config import CheckpointConfig, ConfigError
+from lit_moe.data import MegatronDataModule
 from lit_moe.step import StepStrategy
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class IterationCheckpoint(Callback):
     def __init__(self, cfg: CheckpointConfig, global_batch_size: Optional[int] = None) -> None:
         check_save_config(cfg)
         self.cfg = cfg
-        self.global_batch_size = global_batch_size  # for common.json's consumed_samples (None: not recorded)
+        self.global_batch_size = global_batch_size  # recorded in common.json (None: not recorded)
         self.save_path = Path(cfg.save_path) if cfg.save_path else None
         self._comm: Optional[Comm] = None
         self._saved_this_run: list[int] = []
@@ -222,7 +223,11 @@ class IterationCheckpoint(Callback):
         facts: dict[str, Any] = {"epoch_num": trainer.current_epoch}
         if self.global_batch_size is not None:
             facts["global_batch_size"] = int(self.global_batch_size)
-            facts["consumed_samples"] = trainer.global_step * int(self.global_batch_size)
+        dm = trainer.datamodule
+        if isinstance(dm, MegatronDataModule):
+            # the loader's position (what the saved loop state resumes from), not step x global batch:
+            # a global batch that is no multiple of local batch x data parallel drops its remainder
+            facts["consumed_samples"] = dm.consumed_samples
         if isinstance(trainer.strategy, StepStrategy):
             facts["layout"] = trainer.strategy.parallel_degrees()
         return facts
@@ -231,7 +236,7 @@ class IterationCheckpoint(Callback):
 def build_checkpoint_callback(cfg: CheckpointConfig, global_batch_size: Optional[int] = None
                               ) -> Optional[IterationCheckpoint]:
     """The checkpoint callback of a run, or None when it neither saves nor resumes.
-    ``global_batch_size`` (``training.global_batch_size``): recorded with ``consumed_samples``."""
+    ``global_batch_size`` (``training.global_batch_size``): recorded in common.json."""
     if not cfg.enable_save and not cfg.load_path:
         return None
     return IterationCheckpoint(cfg, global_batch_size)

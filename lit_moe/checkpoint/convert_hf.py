@@ -85,7 +85,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = convert(args.config, args.checkpoint, args.output, args.dtype, args.max_shard_size)
     except (ConfigError, HFCheckpointError) as err:
-        print(f"lit_moe convert-hf: error: {err}", file=sys.stderr)
+        from lit_moe.tool_errors import one_line
+
+        print(f"lit_moe convert-hf: error: {one_line(err)}", file=sys.stderr)
         return 2
     print(f"lit_moe convert-hf: wrote {out}")
     return 0

@@ -98,8 +98,11 @@ def file_crc32(path: Path, block: int = 1 << 24) -> int:
 def read_tracker(save_path: Path) -> int:
     """The step named by ``save_path/latest_checkpointed_iteration.txt``."""
     tracker = Path(save_path) / TRACKER
+    if tracker.exists() and not tracker.is_file():  # a FIFO would block the read forever
+        raise CheckpointError(f"checkpoint.load_path: the tracker {tracker} is not a regular file")
     try:
-        text = tracker.read_text().strip()
+        with open(tracker, "rb") as f:
+            text = f.read(4096).decode("utf-8").strip()   # a step number; a huge file is not read whole
     except OSError as err:
         raise CheckpointError(f"checkpoint.load_path: cannot read the tracker {tracker}: {err.strerror}") from None
     except UnicodeDecodeError:

@@ -50,7 +50,8 @@ class GPTDatasetConfig:
     Required with ``data_path``."""
     data_path: Optional[list] = None
     """``[weight, prefix, weight, prefix, …]`` or ``[prefix, …]``: the indexed datasets to blend. A prefix
-    ``builtin:austen`` is the shipped corpus. Absent (and no ``*_data_path``): mock data."""
+    ``builtin:austen`` is the shipped corpus. One of ``data_path``, ``train_data_path``/… or ``mock`` is
+    required."""
     train_data_path: Optional[list] = None
     """Blend for the train split only (with ``valid_data_path``/``test_data_path`` instead of
     ``data_path`` + ``split``)."""
@@ -93,6 +94,10 @@ class GPTDatasetConfig:
     builds ``ceil(size·w·(1+surplus))`` samples and the blend is the sum of those. ``megatron_core``
     (megatron-core ≥ 0.12): each dataset builds ``ceil(ceil(size·w)·(1+surplus))`` and the blend is
     ``Σ ceil(size·w)`` long. The two agree on most sizes."""
+    mock: bool = False
+    """Train on synthetic documents (megatron-core's mock data, for benchmarks and smoke tests) instead
+    of ``data_path``. Must be asked for by name: a config without any data path is an error, so a
+    misspelled key never trains on mock data."""
     vocab_size: Optional[int] = None
     """The model's vocabulary (``lit_moe fit`` fills in ``model.vocab_size``). Indexed data: a token id
     outside ``[0, vocab_size)`` is an error naming the file, document and id (checked for every sample
@@ -171,7 +176,7 @@ class GPTDatasetConfig:
             if isinstance(v, str):
                 section[key] = [v]
             elif v is not None and len(v) == 0:
-                raise ConfigError(f"{F}.{key}: empty list; remove the key for mock data")
+                raise ConfigError(f"{F}.{key}: empty list; give data paths, or remove it and set mock: true")
         split = section.get("split")
         if split is not None:
             if isinstance(split, (list, tuple)):
@@ -184,6 +189,10 @@ class GPTDatasetConfig:
             raise ConfigError(f"{F}: give either data_path (with split) or train/valid/test_data_path, not both")
         if per_split and section.get("split") is not None:
             raise ConfigError(f"{F}.split: not used with train/valid/test_data_path; remove it")
+        if section.get("mock") is not None:
+            check("mock", bool)
+        if section.get("mock") and (section.get("data_path") or per_split):
+            raise ConfigError(f"{F}.mock: true together with a data path; give one of them")
         if section.get("data_path") and section.get("split") is None:
             raise ConfigError(f"{F}.split: required with data_path (e.g. \"1, 0, 0\")")
         cfg = cls(**section)
@@ -197,9 +206,11 @@ class GPTDatasetConfig:
                           f"and replaced by 0; use pad: -1", stacklevel=3)
         return cfg
 
-    @property
-    def mock(self) -> bool:
-        return not (self.data_path or self.train_data_path or self.valid_data_path or self.test_data_path)
+    def check_has_data(self) -> None:
+        """A dataset section names its data: a data path, or ``mock: true``."""
+        if not (self.mock or self.data_path or self.train_data_path or self.valid_data_path or self.test_data_path):
+            raise ConfigError(f"{self.FIELD}.data_path: no data given; set data_path (with split), "
+                              "train/valid/test_data_path, or mock: true for synthetic documents")
 
     def columns(self) -> list[str]:
         """The columns a sample has with these flags, in MindFormers' order."""

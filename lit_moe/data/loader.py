@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,7 +33,7 @@ class DataloaderSpec:
     python_multiprocessing: bool = False
     """Load with worker processes (True) or worker threads (False)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Unrecognised keys (kept, warned about)."""
+    """MindFormers' keys without meaning here (``IGNORED_KEYS``)."""
 
 
 def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> DataloaderSpec:
@@ -47,9 +46,11 @@ def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> Dataloa
     if dtype != "GPTDataset":
         raise ConfigError(f"{FIELD}.datasets_type: {dtype!r} is not supported; use GPTDataset")
     extra = {k: v for k, v in section.items() if k not in KNOWN_KEYS}
-    unknown = sorted(set(extra) - IGNORED_KEYS)
+    unknown = sorted(set(extra) - IGNORED_KEYS, key=str)
     if unknown:
-        warnings.warn(f"{FIELD}: ignoring unknown key(s) {unknown}", stacklevel=3)
+        from lit_moe.config_file import known_keys_error
+
+        raise known_keys_error(FIELD, unknown[0], KNOWN_KEYS | IGNORED_KEYS)
 
     sizes = section.get("sizes")
     if not isinstance(sizes, (list, tuple)) or not 1 <= len(sizes) <= 3:
@@ -60,6 +61,7 @@ def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> Dataloa
             raise ConfigError(f"{FIELD}.sizes[{i}]: expected an int >= 0, got {s!r}")
 
     config = GPTDatasetConfig.from_dict(section.get("config") or {}, seq_length=seq_length)
+    config.check_has_data()
     produced = config.columns()
     columns = section.get("column_names")
     if columns is None:

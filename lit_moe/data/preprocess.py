@@ -290,7 +290,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         preprocess(args)
     except ConfigError as err:
-        print(f"lit_moe preprocess: error: {err}", file=sys.stderr)
+        from lit_moe.tool_errors import one_line
+
+        print(f"lit_moe preprocess: error: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
 

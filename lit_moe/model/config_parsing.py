@@ -170,6 +170,10 @@ def validate(cfg: Any) -> None:
     if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         fail("position_embedding_type", "is not supported; supported: "
              + ", ".join(map(repr, POSITION_EMBEDDING_TYPES)))
+    if cfg.position_embedding_type == "learned_absolute" and cfg.seq_length and \
+            cfg.max_position_embeddings < cfg.seq_length:
+        fail("max_position_embeddings", f"rows of the learned position table are fewer than seq_length "
+             f"{cfg.seq_length} (position ids go up to seq_length - 1)")
     if cfg.position_embedding_type in ("rope", "yarn") and cfg.qk_rope_head_dim == 0:
         fail("qk_rope_head_dim", f"must be > 0 with position_embedding_type {cfg.position_embedding_type!r}")
     if cfg.position_embedding_type == "yarn":

@@ -58,6 +58,12 @@ class ParallelDims:
     dp: int = field(init=False, default=1)
     meshes: dict = field(init=False, default_factory=dict, repr=False)
 
+    @classmethod
+    def from_config(cls, parallelism: Any, world_size: int) -> "ParallelDims":
+        """The degrees of the ``parallelism`` section on ``world_size`` ranks."""
+        return cls(world_size=world_size, dp_shard=parallelism.data_parallel_shard, tp=parallelism.tensor_parallel,
+                   cp=parallelism.context_parallel, pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
+
     def __post_init__(self) -> None:
         W = self.world_size
         if isinstance(W, bool) or not isinstance(W, int) or W < 1:

@@ -156,11 +156,26 @@ class PipelineLayout:
         return lines
 
 
-def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: int, global_batch_size: Any) -> None:
+def check_zero_bubble_reshard(parallelism: Any, schedule: str, stage_ranks: int) -> None:
+    """``reshard_after_forward_policy: always`` with a zero-bubble schedule on FSDP stages is refused."""
+    if schedule in ("interleaved_zb", "zbv") and stage_ranks > 1 and \
+            getattr(parallelism, "reshard_after_forward_policy", "default") == "always":
+        # torch's weight-gradient pass (stage_backward_weight) differentiates w.r.t. the stage's
+        # registered parameters when it runs, which must be the unsharded ones the forward used
+        raise PipelineError(
+            f"parallelism.reshard_after_forward_policy: 'always' cannot be used with pipeline_parallel_schedule "
+            f"{schedule} and {stage_ranks} ranks per stage (the split weight-gradient pass needs the "
+            "parameters the forward gathered); use 'default' or 'never'")
+
+
+def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: int, global_batch_size: Any,
+                       stage_ranks: int = 1) -> None:
     """Before launching: the layout is valid for the model and A micro-batches fill the schedule
-    (MindFormers writes A into ``pipeline_parallel_microbatch_size``)."""
+    (MindFormers writes A into ``pipeline_parallel_microbatch_size``); ``stage_ranks``: the ranks of
+    each stage (world size / pipeline_parallel)."""
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
+    check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
     for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
         if getattr(parallelism, key, False):
             raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
@@ -353,14 +368,8 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
+    check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
     zero_bubble_fsdp = layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1
-    if zero_bubble_fsdp and getattr(parallelism, "reshard_after_forward_policy", "default") == "always":
-        # torch's weight-gradient pass (stage_backward_weight) differentiates w.r.t. the stage's
-        # registered parameters when it runs, which must be the unsharded ones the forward used
-        raise PipelineError(
-            f"parallelism.reshard_after_forward_policy: 'always' cannot be used with pipeline_parallel_schedule "
-            f"{layout.schedule} and {stage_ranks} ranks per stage (the split weight-gradient pass needs the "
-            "parameters the forward gathered); use 'default' or 'never'")
     if layout.schedule in ("interleaved_zb", "zbv") and config.torch_compile is not False:
         # torch's input-gradient pass keeps the graph for the weight-gradient pass (retain_graph),
         # which compiled backwards refuse while AOT autograd donates their saved buffers

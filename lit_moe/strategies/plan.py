@@ -119,6 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model_config: Any, seq_length: int,
+                 world_size: int) -> tuple[Any, int]:
+    """``(ParallelDims, accumulation steps)`` of a run, after every check of the layout against the
+    model and the batch: the one validation ``lit_moe fit`` and ``lit_moe plan`` share, so that plan
+    refuses what fit refuses."""
+    from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
+    from lit_moe.strategies.pipeline import check_pipeline_run
+    from lit_moe.strategies.strategy import check_parallelism_section
+
+    check_parallelism_keys(parallelism)
+    check_parallelism_section(parallelism)
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.validate_model(model_config, seq_length)
+    check_parallel_layout(parallelism, dims, model_config)
+    accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
+    if dims.pp > 1:
+        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size,
+                           stage_ranks=dims.world_size // dims.pp)
+    return dims, accumulation
+
+
 def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None
          ) -> dict[str, Any]:
     """Validate and describe the layout; returns the numbers it printed (for tests). ``config_path``
@@ -130,8 +151,6 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
-    from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
-    from lit_moe.strategies.strategy import check_parallelism_section
 
     paths = [config_path] if isinstance(config_path, str) else list(config_path)
     data = resolve(paths, overrides or [])
@@ -149,18 +168,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
     seq_length = _seq_length(data, model_config)
 
-    check_parallelism_keys(parallelism)
-    check_parallelism_section(parallelism)
-    dims = ParallelDims(world_size=world_size, dp_shard=parallelism.data_parallel_shard,
-                        tp=parallelism.tensor_parallel, cp=parallelism.context_parallel,
-                        pp=parallelism.pipeline_parallel, ep=parallelism.expert_parallel)
-    dims.validate_model(model_config, seq_length)
-    check_parallel_layout(parallelism, dims, model_config)
-    accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
-    if dims.pp > 1:
-        from lit_moe.strategies.pipeline import check_pipeline_run
-
-        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size)
+    dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
 
     from lit_moe.model import sizing
 
@@ -456,7 +464,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"unexpected argument {unknown[0]!r}")
         plan(args.config, args.world_size, overrides=overrides)
     except (ConfigError, ValueError) as err:
-        print(f"lit_moe plan: error: {err}", file=sys.stderr)
+        from lit_moe.tool_errors import one_line
+
+        print(f"lit_moe plan: error: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
 
