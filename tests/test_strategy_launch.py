@@ -52,10 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_all(cmds: list[tuple[list[str], dict]], cwd: Path, timeout: float = 240) -> list[tuple[int, str]]:
-    """Start every (command, extra environment) at once, wait for all: [(exit status, log)]."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, env={**_env(), **extra}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd, extra in cmds]
+def _launch_all(cmds: list[tuple[list[str], dict]], cwd: Path | list[Path], timeout: float = 240
+                ) -> list[tuple[int, str]]:
+    """Start every (command, extra environment) at once (in ``cwd``, or ``cwd[i]``), wait for all:
+    [(exit status, log)]."""
+    dirs = cwd if isinstance(cwd, list) else [cwd] * len(cmds)
+    procs = [subprocess.Popen(cmd, cwd=where, env={**_env(), **extra}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for (cmd, extra), where in zip(cmds, dirs)]
     out = []
     try:
         for p in procs:
@@ -109,6 +112,27 @@ def test_two_node_torchrun_and_srun_launches_train_like_one_process(tmp_path):
         for (_, _, loss), (_, _, want) in zip(results[name], ref):
             assert abs(float(loss) - float(want)) <= 1e-4 * float(want), (name, results[name], ref)
     assert ref[0][2] != ref[1][2]                     # the model trained between the two steps
+
+
+@pytest.mark.timeout(300)
+def test_save_path_not_shared_by_the_ranks_stops_at_start_up(tmp_path):
+    """srun's 2 tasks in two working directories with a relative ``save_path`` (each rank its own
+    disk): the run stops before step 1 in one line naming rank 1, not at the first save."""
+    cfg = tiny_config(tmp_path, steps=2)
+    cfg["checkpoint"].update(enable_save=True, save_path="ckpt", save_interleaved_steps=1000)
+    path = write_config(tmp_path, cfg)
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in dirs:
+        d.mkdir()
+    port = _free_port()
+    runs = _launch_all([([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator",
+                          "cpu"], srun_env(rank, 2, 1, port)) for rank in (0, 1)], dirs)
+    for code, log in runs:
+        assert code == 2, log[-3000:]
+        errors = [ln for ln in log.splitlines() if ln.startswith("lit_moe: error:")]
+        assert len(errors) == 1 and "checkpoint.save_path" in errors[0] and "rank 1 does not see" in errors[0], log
+        assert "Traceback" not in log and "step 1/2" not in log, log[-3000:]
+    assert not list((dirs[0] / "ckpt").glob(".lit_moe_shared_*"))     # rank 0 removed its token
 
 
 @pytest.mark.timeout(300)
