@@ -197,7 +197,12 @@ class Run:
                 not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(StepProgressBar())
         merged["callbacks"] = callbacks
-        return Trainer(**merged)
+        trainer = Trainer(**merged)
+        from lit_moe.preemption import Preemption, use_preemption_agreement
+
+        if any(isinstance(cb, Preemption) for cb in callbacks):
+            use_preemption_agreement(trainer)
+        return trainer
 
 
 # Trainer arguments that the manual optimization step replaces, and the key that does their job.
