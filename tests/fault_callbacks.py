@@ -179,3 +179,25 @@ class SignalCollectives(Callback):
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:   # the calls since the last step
             f.write(json.dumps({"step": trainer.global_step, "calls": self.calls}) + "\n")
         self.calls = []
+
+
+class SlowWriter(Callback):
+    """Rank ``rank`` sleeps ``seconds`` before writing each checkpoint file (a slow share of a busy
+    file system), and every rank grants writers ``floor`` bytes per second (a checkpoint "large"
+    for the tiny model's few MB)."""
+
+    def __init__(self, rank: int, seconds: float, floor: float) -> None:
+        self.rank, self.seconds, self.floor = rank, seconds, floor
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from lit_moe.checkpoint import iteration
+
+        iteration.SAVE_BYTES_PER_S_FLOOR = self.floor
+        if trainer.global_rank == self.rank:
+            real, seconds = iteration.write_pieces, self.seconds
+
+            def slow(*args, **kwargs):
+                time.sleep(seconds)
+                return real(*args, **kwargs)
+
+            iteration.write_pieces = slow

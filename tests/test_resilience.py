@@ -375,3 +375,26 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / f"calls.rank{rank}").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3], rows
         assert all(r["calls"] == [] for r in rows), rows
+
+
+@pytest.mark.timeout(400)
+def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
+    """torchrun, 2 ranks, ``process_group_timeout_s: 20``; rank 1 takes 24 s to write its files (12 s before each of its two tensor files).
+    Rank 0 waits for it for the timeout plus the checkpoint's bytes at the granted write rate (here
+    1 kB/s, so ~2 MB gives ample time) instead of failing the save after 20 s."""
+    import subprocess
+
+    cfg_path = config(tmp_path, "slow.yaml", steps=2,
+                      callbacks=[("SlowWriter", {"rank": 1, "seconds": 12, "floor": 1000.0})])
+    cfg = helpers.yaml.safe_load(cfg_path.read_text())
+    cfg["parallelism"] = {"process_group_timeout_s": 20}
+    cfg_path.write_text(helpers.yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers.ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "lit_moe.cli", "fit", "--config", str(cfg_path), *FLAGS, "--trainer.accelerator",
+                           "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert tracker(tmp_path / "ckpt") == "2"

@@ -225,7 +225,7 @@ class IterationCheckpoint(Callback):
         job = SaveJob(self.save_path, step, cfg.prefix, model, optim, optim_extra,
                       rng_json=safejson.dumps(rng_state()), common=common,
                       on_committed=self._prune if comm.rank == 0 else None)
-        prepare(comm, self.save_path, step)
+        job.most_bytes = prepare(comm, self.save_path, step, job.nbytes)
         self._last_saved = step
         if cfg.async_save:
             self._thread = threading.Thread(target=self._run_async, args=(comm, job), name=f"lit_moe-save-{step}",
