@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional
 
 from lightning.pytorch import Callback
@@ -38,11 +39,14 @@ def build_logger(monitor: Any) -> Optional[Any]:
     tb = monitor.tensorboard   # (log_interval is checked by build_callbacks, which uses it)
     if not tb.output_dir:
         return None
-    return _TensorBoardLogger(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME, default_hp_metric=False,
-                              max_queue=tb.queue_size)
+    return _tensorboard_logger_class()(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME,
+                                       default_hp_metric=False, max_queue=tb.queue_size)
 
 
+@functools.lru_cache(maxsize=None)
 def _tensorboard_logger_class():
+    """Lightning's TensorBoardLogger with the event file opened once (defined when first needed:
+    importing Lightning's loggers is slow)."""
     from lightning.pytorch.loggers import TensorBoardLogger
     from lightning.pytorch.loggers.logger import rank_zero_experiment
 
@@ -57,10 +61,6 @@ def _tensorboard_logger_class():
             return writer
 
     return OneOpenTensorBoardLogger
-
-
-def _TensorBoardLogger(**kwargs: Any) -> Any:
-    return _tensorboard_logger_class()(**kwargs)
 
 
 class _EventFile:
