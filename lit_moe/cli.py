@@ -47,23 +47,16 @@ TOOLS = {
     "convert-hf": "lit_moe.checkpoint.convert_hf",
 }
 
-def world_size_from(trainer_cfg: dict) -> int:
-    """The number of processes the run will have, known before any of them starts."""
-    if "WORLD_SIZE" in os.environ:  # torchrun, SLURM through Lightning's environments
-        return int(os.environ["WORLD_SIZE"])
-    devices = trainer_cfg.get("devices", "auto")
-    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
-    if isinstance(devices, int):
-        n = devices
-    elif isinstance(devices, (list, tuple)):
-        n = len(devices)
-    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        n = int(devices)
-        if n == -1:
-            n = _auto_device_count(trainer_cfg)
-    else:
-        n = _auto_device_count(trainer_cfg)
-    return n * nodes
+def world_size_from(trainer_cfg: dict, explicit: Optional[set] = None) -> int:
+    """The number of processes the run will have, known before any of them starts (the launcher's
+    world, checked against ``--trainer.devices``/``--trainer.num_nodes``: :mod:`lit_moe.launch`)."""
+    return _launch_world(trainer_cfg, explicit).world_size
+
+
+def _launch_world(trainer_cfg: dict, explicit: Optional[set] = None):
+    from lit_moe.launch import launch_world
+
+    return launch_world(trainer_cfg, explicit, auto_devices=lambda: _auto_device_count(trainer_cfg))
 
 
 def _auto_device_count(trainer_cfg: dict) -> int:
@@ -183,8 +176,8 @@ class Run:
         accelerator = _accelerator_from_context(self.context)
         if accelerator is not None:
             defaults["accelerator"] = accelerator
-        if "LOCAL_WORLD_SIZE" in os.environ:
-            defaults["devices"] = int(os.environ["LOCAL_WORLD_SIZE"])
+        if self.launch.launcher != "lightning":   # torchrun, srun: the launcher's processes per node and nodes
+            defaults["devices"], defaults["num_nodes"] = self.launch.devices, self.launch.num_nodes
         # The `trainer:` section overrides only what the user actually wrote there.
         explicit = {k: v for k, v in trainer_cfg.items() if k in self.explicit_trainer_keys}
         for key, home in _TRAINER_KEYS_OWNED_BY_SECTIONS.items():
@@ -211,7 +204,12 @@ class Run:
                 not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(StepProgressBar())
         merged["callbacks"] = callbacks
-        return Trainer(**merged)
+        trainer = Trainer(**merged)
+        from lit_moe.preemption import Preemption, use_preemption_agreement
+
+        if any(isinstance(cb, Preemption) for cb in callbacks):
+            use_preemption_agreement(trainer)
+        return trainer
 
 
 # Trainer arguments that the manual optimization step replaces, and the key that does their job.
@@ -326,7 +324,8 @@ def build_run(cfg: Any) -> Run:
         # Mock data (no data_path) draws token ids below the model's vocabulary.
         dl_config["vocab_size"] = model_config.vocab_size
 
-    world_size = world_size_from(trainer_section)
+    run.launch = _launch_world(trainer_section, set(_explicit_trainer_keys()))
+    world_size = run.launch.world_size
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
         from lit_moe.convert_config import global_batch_from_accumulation
@@ -374,8 +373,7 @@ def build_run(cfg: Any) -> Run:
                             if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
     else:
         _check_accelerator_available(accelerator)
-    nodes = int(trainer_section.get("num_nodes", 1) or 1)
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
+    local_processes = run.launch.devices
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
                local_processes)
 
@@ -404,7 +402,8 @@ def build_run(cfg: Any) -> Run:
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
     run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
                                       recompute_comm=recompute_comm, model_config=model_config,
-                                      accumulate_allreduce_grads_in_fp32=fp32_grads, checkpoint=checkpoint)
+                                      accumulate_allreduce_grads_in_fp32=fp32_grads, checkpoint=checkpoint,
+                                      expected_world_size=world_size)
 
     from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
 

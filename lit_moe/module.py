@@ -26,6 +26,7 @@ from lit_moe.config import TrainingConfig
 from lit_moe.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.optim import step_on_device
+from lit_moe.preemption import agree_on_signal, signal_flags
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
@@ -402,9 +403,14 @@ class LitMoE(LightningModule):
         if is_distributed():
             world = world_size()
             device = self.step_strategy.root_device
+            # With several ranks the preemption flags ride in the same all-reduce (no collective of
+            # their own per step; read on the host by agree_on_signal).
+            flags = [signal_flags(device)] if world > 1 else []
             vec = torch.cat([losses.to(device),
-                             torch.full((1,), float(self._tokens), dtype=torch.float64, device=device)])
+                             torch.full((1,), float(self._tokens), dtype=torch.float64, device=device), *flags])
             dist.all_reduce(vec)
+            if flags:
+                agree_on_signal(vec[4:])
             losses = vec[:3] / world
             # Every sample reaches all tensor/context-parallel ranks of its data-parallel rank:
             # count its tokens once (rounded when read).

@@ -6,10 +6,17 @@ first); Ctrl-C sends SIGINT. The :class:`Preemption` callback replaces Lightning
 training runs (Lightning's SIGTERM handler stops after the current *micro-batch*, exits 0 and saves
 nothing). Its handler only records the signal; at the end of every optimizer step the ranks agree
 (one MAX all-reduce of an integer on a gloo group: a signal that reached a single rank stops them
-all at the same step), and on a signal every rank stops: the checkpoint callback's end-of-training
+all at the same step; the flag rides in LitMoE's per-step metrics all-reduce, which every step
+already does: :func:`signal_flags` / :func:`agree_on_signal`, so steps without a signal cost no
+collective of their own), and on a signal every rank stops: the checkpoint callback's end-of-training
 save writes the step just finished (tracker updated), and the process exits with ``128 + signal``
 (:func:`exit_status`, returned by ``lit_moe fit``). Relaunching the same command resumes from that
 checkpoint (auto-resume) and continues bit for bit.
+
+A signal that arrives while the run starts (from the Trainer's setup until this run's first optimizer
+step has finished: building the model, restoring a checkpoint, the first, slowest step) stops the
+process at once (a :class:`Preempted` exception, exit status ``128 + signal``): there is nothing new
+to save, and waiting for the first step could outlast SLURM's ``KillWait`` (30 s by default).
 
 Under SLURM with Lightning's auto-requeue (the default of its ``SLURMEnvironment``), the requeue
 signal (SIGUSR1 unless configured otherwise) also requeues the job (``scontrol requeue``), as
@@ -33,12 +40,40 @@ from lightning.pytorch import Callback
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
                             getattr(signal, "SIGUSR1", None)) if s is not None)
 _STOPPED_BY: dict[str, Optional[int]] = {"signal": None}
+_ACTIVE: list["Preemption"] = []   # the Preemption callback of the run in progress (at most one)
+
+
+def signal_flags(device: Any = None) -> torch.Tensor:
+    """This rank's pending signal, one-hot over :data:`SIGNALS` (float64, all zeros without one), to
+    be summed over every rank by the step's own all-reduce and handed to :func:`agree_on_signal`."""
+    flags = torch.zeros(len(SIGNALS), dtype=torch.float64, device=device)
+    received = _ACTIVE[0]._received if _ACTIVE else None
+    if received in SIGNALS:
+        flags[SIGNALS.index(received)] = 1.0
+    return flags
+
+
+def agree_on_signal(summed: torch.Tensor) -> None:
+    """The world-wide sum of :func:`signal_flags`: the signal every rank stops on after this step
+    (the first of SIGTERM, SIGINT, SIGUSR1 that any rank received), for the running callback."""
+    if not _ACTIVE:
+        return
+    counts = summed.tolist()
+    _ACTIVE[0]._delivered = next((int(sig) for sig, n in zip(SIGNALS, counts) if n > 0), 0)
 
 
 def exit_status() -> int:
     """``128 + signal`` when a signal stopped the last run of this process, else 0."""
     sig = _STOPPED_BY["signal"]
     return 128 + int(sig) if sig else 0
+
+
+class Preempted(SystemExit):
+    """A signal before this run's first optimizer step finished: the process exits ``128 + signal``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + int(signum))
+        self.signum = int(signum)
 
 
 def _name(signum: int) -> str:
@@ -57,11 +92,21 @@ class Preemption(Callback):
         self._previous: dict[int, Any] = {}
         self._group: Any = None
         self._last_step: Optional[int] = None
+        self._stepped = False      # an optimizer step of this run has finished: a signal waits for the next
+        self._launcher: Any = None
+        self._delivered: Optional[int] = None   # this step's agreed signal, from the step's all-reduce
 
     # -- handlers ---------------------------------------------------------------------------
     def _handle(self, signum: int, frame: Any) -> None:
         if self._received is not None and signum == getattr(signal, "SIGINT", None):
             raise KeyboardInterrupt  # a second Ctrl-C: abort now
+        if not self._stepped:
+            print(f"lit_moe: received {_name(signum)} while the run starts: stopping now (nothing new to save); "
+                  f"exit status {128 + signum}", file=sys.stderr, flush=True)
+            if self._launcher is not None:   # processes Lightning's launcher started stop too
+                self._launcher.kill(signum)
+            _STOPPED_BY["signal"] = signum
+            raise Preempted(signum)
         if self._received is None:
             self._received = signum
             print(f"lit_moe: received {_name(signum)}: stopping after the optimizer step in flight",
@@ -71,7 +116,8 @@ class Preemption(Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         for s in SIGNALS:
-            self._previous[s] = signal.signal(s, self._handle)
+            previous = signal.signal(s, self._handle)
+            self._previous.setdefault(s, previous)   # the handlers before the first install, restored at teardown
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():
@@ -82,6 +128,10 @@ class Preemption(Callback):
     # -- hooks --------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         _STOPPED_BY["signal"] = None
+        self._stepped = False
+        self._launcher = getattr(trainer.strategy, "launcher", None)
+        _ACTIVE[:] = [self]
+        self._install()   # from here on a signal stops the start-up (Lightning composes it into its own)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
             # collective: every rank runs setup
             self._group = dist.new_group(backend="gloo", timeout=getattr(trainer.strategy, "_timeout", None))
@@ -96,12 +146,14 @@ class Preemption(Callback):
         if step == self._last_step:
             return  # a micro-batch that did not finish an optimizer step
         self._last_step = step
-        agreed = self._agree()
+        self._stepped = True
+        agreed, self._delivered = (self._delivered, None) if self._delivered is not None else (self._agree(), None)
         if agreed:
             self._agreed = agreed
             trainer.should_stop = True  # the checkpoint callback saves this step at the end of training
 
     def _agree(self) -> int:
+        """Without the step's all-reduce (a module other than LitMoE): one gloo MAX all-reduce."""
         mine = int(self._received or 0)
         if self._group is None:
             return mine
@@ -124,6 +176,31 @@ class Preemption(Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+
+def _epoch_loop_class():
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    class EpochLoopWithoutSigtermBroadcast(_TrainingEpochLoop):
+        """Lightning's training epoch loop without its per-batch SIGTERM broadcast from rank 0."""
+
+        def _broadcast_sigterm_tensor(self) -> None:
+            return None   # the Preemption callback agrees on signals (in the step's own all-reduce)
+
+    return EpochLoopWithoutSigtermBroadcast
+
+
+def use_preemption_agreement(trainer) -> None:
+    """Lightning 2.6's training loop broadcasts a SIGTERM flag from rank 0 before every batch, on the
+    default group (a world-wide collective and, on accelerators, a host sync per step). With the
+    :class:`Preemption` callback in charge of signals that broadcast has nothing to say: the Trainer's
+    epoch loop (which the Trainer itself assigns after building it) is replaced by one without it."""
+    old = trainer.fit_loop.epoch_loop
+    if not hasattr(old, "_broadcast_sigterm_tensor"):
+        return   # a Lightning without the broadcast
+    trainer.fit_loop.epoch_loop = _epoch_loop_class()(trainer, min_steps=old.min_steps, max_steps=old.max_steps)
 
 
 def _checkpoint_of(trainer) -> Optional[str]:

@@ -146,3 +146,58 @@ class StallWrites(_PatchWrites):
             f.write(str(path))
         time.sleep(600)
         return out
+
+
+class SignalCollectives(Callback):
+    """Per optimizer step, the collectives called from signal handling code (lit_moe's preemption
+    module, Lightning's epoch loop and signal connector): one JSON line per step in ``path.rank<R>``."""
+
+    WATCHED = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier")
+    FILES = ("preemption.py", "training_epoch_loop.py", "signal_connector.py")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.calls: list[str] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import sys as _sys
+
+        import torch.distributed as dist
+
+        def wrap(name, real):
+            def counted(*args, **kwargs):
+                caller = os.path.basename(_sys._getframe(1).f_code.co_filename)
+                if caller in self.FILES:
+                    self.calls.append(f"{caller}:{name}")
+                return real(*args, **kwargs)
+            return counted
+
+        for name in self.WATCHED:
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:   # the calls since the last step
+            f.write(json.dumps({"step": trainer.global_step, "calls": self.calls}) + "\n")
+        self.calls = []
+
+
+class SlowWriter(Callback):
+    """Rank ``rank`` sleeps ``seconds`` before writing each checkpoint file (a slow share of a busy
+    file system), and every rank grants writers ``floor`` bytes per second (a checkpoint "large"
+    for the tiny model's few MB)."""
+
+    def __init__(self, rank: int, seconds: float, floor: float) -> None:
+        self.rank, self.seconds, self.floor = rank, seconds, floor
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from lit_moe.checkpoint import iteration
+
+        iteration.SAVE_BYTES_PER_S_FLOOR = self.floor
+        if trainer.global_rank == self.rank:
+            real, seconds = iteration.write_pieces, self.seconds
+
+            def slow(*args, **kwargs):
+                time.sleep(seconds)
+                return real(*args, **kwargs)
+
+            iteration.write_pieces = slow

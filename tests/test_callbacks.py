@@ -545,3 +545,34 @@ def test_skip_guard_consecutive_count_survives_a_resume():
 def test_user_callbacks_reject_a_zero_log_interval(make):
     with pytest.raises(ConfigError, match=r"\w+\.log_interval: must be an int >= 1"):
         make()
+
+
+def test_tensorboard_event_file_is_opened_once_not_per_scalar(tmp_path, monkeypatch):
+    """Without TensorFlow, TensorBoard's gfile stub opened the event file for every record (measured:
+    1,000 opens for 1,000 scalars); the run's logger opens it a constant number of times (2: the
+    stub's header write, then the kept handle) and every scalar is in the file."""
+    import builtins
+    import io
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    opened = []
+    real_open = io.open
+
+    def counting_open(file, *args, **kwargs):
+        if "tfevents" in str(file):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    logger = tb_logger(tmp_path)
+    for i in range(1000):
+        logger.experiment.add_scalar("x", float(i), i)
+    logger.finalize("success")
+    monkeypatch.undo()
+    assert len(opened) <= 2, opened
+    [path] = list(tmp_path.rglob("events.out.tfevents.*"))
+    events = EventAccumulator(str(path))
+    events.Reload()
+    assert [s.value for s in events.Scalars("x")] == [float(i) for i in range(1000)]

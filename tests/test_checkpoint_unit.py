@@ -121,3 +121,16 @@ def test_common_json_is_checksummed(tmp_path):
     (tmp_path / "common.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="common.json fails its CRC-32 check"):
         IterationReader(tmp_path)
+
+
+def test_save_wait_is_sized_from_the_checkpoint():
+    """The wait for the slowest writer: the collective timeout plus the most bytes any rank writes at
+    25 MiB/s (hand: DeepSeek-V3's 8.2 TB over 2,048 ranks, 4.0e9 bytes each → 600 s + 152 s)."""
+    from datetime import timedelta
+
+    from lit_moe.checkpoint.iteration import save_timeout
+
+    assert save_timeout(timedelta(seconds=600), 0) == timedelta(seconds=600)
+    got = save_timeout(timedelta(seconds=600), int(8.2e12 / 2048)).total_seconds()
+    assert abs(got - (600 + 8.2e12 / 2048 / (25 * 2 ** 20))) < 1e-3 and 751 < got < 753
+    assert save_timeout(None, 0) == timedelta(minutes=30)

@@ -314,3 +314,60 @@ def test_empty_split_is_an_error_not_a_hang(tmp_path):
     prefix = write_indexed_dataset(tmp_prefix(tmp_path), make_documents(3, seed=16), np.uint16)
     with pytest.raises(DatasetError, match=r"valid split, 0 documents\): has 0 tokens"):
         build_datasets(dataloader_section(8, [prefix], sizes=(10, 5, 0), split="99,1,0"))
+
+
+def test_cache_built_by_another_rank_is_loaded_outside_the_lock(tmp_path, monkeypatch):
+    """The ranks that waited while one built the cache check and load it after the lock is released,
+    in parallel (under the lock, W ranks' CRC checks of the whole cache ran one after another)."""
+    import contextlib
+
+    import lit_moe.data.cache as cache
+
+    real_lock, real_damage = cache.file_lock, cache.damage
+    arrays = {"a": np.arange(10)}
+    held, checked_under_lock = [], []
+
+    @contextlib.contextmanager
+    def another_rank_builds_first(path, *args, **kwargs):
+        monkeypatch.setattr(cache, "file_lock", real_lock)
+        cache.cached_arrays(str(tmp_path), "s", ["a"], "desc", lambda: arrays)   # first to the lock
+        with real_lock(path):
+            held.append(path)
+            yield
+            held.remove(path)
+
+    def damage_spy(*args):
+        checked_under_lock.append(bool(held))
+        return real_damage(*args)
+
+    monkeypatch.setattr(cache, "file_lock", another_rank_builds_first)
+    monkeypatch.setattr(cache, "damage", damage_spy)
+    got, built = cache.cached_arrays(str(tmp_path), "s", ["a"], "desc", lambda: pytest.fail("built twice"))
+    assert not built and got["a"].tolist() == list(range(10))
+    assert checked_under_lock == [False]
+
+
+def test_cache_where_the_file_system_refuses_flock(tmp_path, monkeypatch):
+    """flock failing with ENOLCK (NFS without its lock daemon): an exclusive-create marker file locks
+    instead; the cache is built once, then loaded."""
+    import errno
+    import os
+
+    import lit_moe.data.cache as cache
+
+    def no_flock(fd, op):
+        if op != cache.fcntl.LOCK_UN:
+            raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cache.fcntl, "flock", no_flock)
+    markers = []
+
+    def build():
+        markers.append(os.path.exists(tmp_path / "s.lock.excl"))
+        return {"a": np.arange(5)}
+
+    got, built = cache.cached_arrays(str(tmp_path), "s", ["a"], "desc", build)
+    assert built and markers == [True] and not (tmp_path / "s.lock.excl").exists()
+    got, built = cache.cached_arrays(str(tmp_path), "s", ["a"], "desc", build)
+    assert not built and got["a"].tolist() == [0, 1, 2, 3, 4]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]        # temporary names all renamed

@@ -118,3 +118,61 @@ def test_a_stopped_rank_is_caught_by_the_process_group_timeout(tmp_path):
     lines = _rank_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith("lit_moe: error: rank 1 stopped answering"), stderr[-4000:]
     assert "Timed out waiting 20000ms" in lines[0]
+
+
+class _CountingStore:
+    """A TCPStore stand-in shared by simulated ranks: counts each rank's operations; the heartbeat of
+    a live rank moves between any two reads, a dead rank's never does."""
+
+    def __init__(self, dead: set[int]) -> None:
+        self.values: dict[str, object] = {}
+        self.dead = dead
+        self.ops: dict[int, int] = {}
+
+    def client(self, rank: int):
+        store = self
+
+        class Client:
+            def add(self, key, n):
+                store.ops[rank] = store.ops.get(rank, 0) + 1
+                if key.rsplit("/", 1)[1].isdigit() and n == 0:   # a rank's heartbeat counter, read
+                    beating = int(key.rsplit("/", 1)[1]) not in store.dead
+                    store.values[key] = int(store.values.get(key, 0)) + (1 if beating else 0)
+                    return store.values[key]
+                store.values[key] = int(store.values.get(key, 0)) + n
+                return store.values[key]
+
+            def set(self, key, value):
+                store.ops[rank] = store.ops.get(rank, 0) + 1
+                store.values[key] = value
+
+            def wait(self, keys, timeout):
+                store.ops[rank] = store.ops.get(rank, 0) + 1
+                assert all(k in store.values for k in keys)
+
+            def get(self, key):
+                store.ops[rank] = store.ops.get(rank, 0) + 1
+                return str(store.values[key]).encode()
+
+        return Client()
+
+
+def test_failure_diagnosis_store_traffic_is_bounded(monkeypatch):
+    """64 ranks, ranks 5 and 9 dead: the first survivor to fail reads the 63 counters twice and
+    publishes the verdict, every other survivor makes 3 store operations (was 2 × 63 each), and all
+    name the same dead ranks."""
+    from lit_moe import peers
+
+    monkeypatch.setattr(peers, "STALE_S", 0.0)
+    world, dead = 64, {5, 9}
+    store = _CountingStore(dead)
+    verdicts = {}
+    for rank in [r for r in range(world) if r not in dead]:   # the order the survivors fail in
+        watch = peers.PeerWatch()
+        watch._reader, watch._rank, watch._world = store.client(rank), rank, world
+        watch._prefix = "lit_moe/heartbeat/run/0/"
+        verdicts[rank] = watch.diagnose()
+    assert all(v == [5, 9] for v in verdicts.values()), verdicts
+    first, *others = sorted(verdicts)
+    assert store.ops[first] == 1 + 2 * (world - 1) + 1           # claim, two reads of 63 counters, verdict
+    assert {store.ops[r] for r in others} == {3}                 # claim, wait, get

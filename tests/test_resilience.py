@@ -334,3 +334,67 @@ def test_slurm_requeue_signal_requeues_after_the_save(tmp_path, monkeypatch):
     trainer._accelerator_connector.cluster_environment = SLURMEnvironment(auto_requeue=False)
     _maybe_requeue(trainer, signal.SIGUSR1)
     assert calls.read_text().split() == ["requeue", "4242"]  # auto_requeue off: nothing more
+
+
+def test_sigterm_while_the_run_starts_stops_at_once(tmp_path):
+    """SIGTERM inside the run's first optimizer step (the slowest; a resumed run's first step too):
+    nothing new to save, so the run stops at once, with exit status 143, not after the step (whose
+    wait could outlast SLURM's KillWait); no checkpoint directory is written."""
+    cfg = config(tmp_path, "start.yaml", steps=50, callbacks=[("SignalAt", {"step": 1, "micro": 0})])
+    proc = fit(tmp_path, cfg)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "SIGTERM" in ln]
+    assert lines == ["lit_moe: received SIGTERM while the run starts: stopping now (nothing new to save); "
+                     "exit status 143"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "step 1/50" not in proc.stdout + proc.stderr
+    assert not list((tmp_path / "ckpt").glob("iteration_*"))
+
+
+@pytest.mark.timeout(400)
+def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
+    """torchrun, 2 ranks; SIGTERM reaches rank 1 only, in step 3: both ranks stop after step 3 (exit
+    143, checkpoint of step 3). The flag rides in the step's metrics all-reduce: no step calls a
+    collective from lit_moe's preemption code or Lightning's signal handling (before: a gloo MAX
+    all-reduce and Lightning's rank-0 broadcast at every step)."""
+    import subprocess
+
+    cfg = config(tmp_path, "two.yaml", steps=6, callbacks=[("SignalAt", {"step": 3, "micro": 0, "rank": 1}),
+                                                          ("SignalCollectives", {"path": str(tmp_path / "calls")})])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers.ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.accelerator", "cpu"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "stopped by SIGTERM after step 3" in log, log[-4000:]
+    assert (tmp_path / "ckpt" / "iteration_00000003").is_dir()
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (tmp_path / f"calls.rank{rank}").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3], rows
+        assert all(r["calls"] == [] for r in rows), rows
+
+
+@pytest.mark.timeout(400)
+def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
+    """torchrun, 2 ranks, ``process_group_timeout_s: 20``; rank 1 takes 24 s to write its files (12 s before each of its two tensor files).
+    Rank 0 waits for it for the timeout plus the checkpoint's bytes at the granted write rate (here
+    1 kB/s, so ~2 MB gives ample time) instead of failing the save after 20 s."""
+    import subprocess
+
+    cfg_path = config(tmp_path, "slow.yaml", steps=2,
+                      callbacks=[("SlowWriter", {"rank": 1, "seconds": 12, "floor": 1000.0})])
+    cfg = helpers.yaml.safe_load(cfg_path.read_text())
+    cfg["parallelism"] = {"process_group_timeout_s": 20}
+    cfg_path.write_text(helpers.yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers.ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "lit_moe.cli", "fit", "--config", str(cfg_path), *FLAGS, "--trainer.accelerator",
+                           "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert tracker(tmp_path / "ckpt") == "2"

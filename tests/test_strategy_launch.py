@@ -44,29 +44,95 @@ def _env() -> dict:
     return env
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_two_processes_tensor_and_expert_parallel(tmp_path):
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_all(cmds: list[tuple[list[str], dict]], cwd: Path | list[Path], timeout: float = 240
+                ) -> list[tuple[int, str]]:
+    """Start every (command, extra environment) at once (in ``cwd``, or ``cwd[i]``), wait for all:
+    [(exit status, log)]."""
+    dirs = cwd if isinstance(cwd, list) else [cwd] * len(cmds)
+    procs = [subprocess.Popen(cmd, cwd=where, env={**_env(), **extra}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for (cmd, extra), where in zip(cmds, dirs)]
+    out = []
+    try:
+        for p in procs:
+            log, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, log))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def srun_env(rank: int, ntasks: int, nodes: int, port: int) -> dict:
+    """What ``srun --nodes=NODES --ntasks-per-node=NTASKS/NODES`` sets for task ``rank`` (on one host)."""
+    per_node = ntasks // nodes
+    return {"SLURM_NTASKS": str(ntasks), "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(per_node),
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node),
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "lit_moe", "SLURM_NODELIST": "127.0.0.1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.mark.timeout(600)
+def test_two_node_torchrun_and_srun_launches_train_like_one_process(tmp_path):
+    """tp2·ep2 on two torchrun "nodes" (``--nnodes 2 --node_rank``, static rendezvous, one process each,
+    no ``--trainer.num_nodes``) and under srun's environment (1 node × 2 tasks, no ``--trainer.devices``:
+    Lightning's device list had one entry, local rank 1 died with IndexError) log the losses of one
+    process. ``global_batch_size 4 · local_batch_size 2``: accumulation 1 at dp 2, 2 in one process; a
+    world size taken wrongly (1) would accumulate 2 micro-batches per rank and change the losses."""
     cfg = tiny_config(tmp_path, steps=2, parallelism={"tensor_parallel": 2, "expert_parallel": 2})
     cfg["model"]["compute_dtype"] = "float32"
     path = write_config(tmp_path, cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    steps = [m.groups() for m in STEP.finditer(log)]
-    assert [s[0] for s in steps] == ["1", "2"], log[-3000:]
-    # the same run in one process without parallelism (fp32): the same losses
+    fit = ["-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"]
+    port = _free_port()
+    torchrun = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                  "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *fit], {})
+                for node in (0, 1)]
+    port = _free_port()
+    srun = [([sys.executable, *fit], srun_env(rank, 2, 1, port)) for rank in (0, 1)]
     del cfg["parallelism"]
-    single = subprocess.run([sys.executable, "-m", "lit_moe.cli", "fit", "--config",
-                             str(write_config(tmp_path, cfg, "single.yaml")), "--trainer.accelerator", "cpu"],
-                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    assert single.returncode == 0, single.stderr[-4000:]
-    ref = [m.groups() for m in STEP.finditer(single.stdout + single.stderr)]
-    assert [s[0] for s in ref] == ["1", "2"]
-    for (_, _, loss), (_, _, want) in zip(steps, ref):
-        assert abs(float(loss) - float(want)) <= 1e-4 * float(want), (steps, ref)
+    single = [([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(write_config(tmp_path, cfg, "single.yaml")),
+                "--trainer.accelerator", "cpu"], {})]
+    results = {}
+    for name, cmds in (("single", single), ("torchrun", torchrun), ("srun", srun)):
+        runs = _launch_all(cmds, tmp_path)
+        for code, log in runs:
+            assert code == 0, (name, log[-4000:])
+        results[name] = [m.groups() for m in STEP.finditer(runs[0][1])]
+        assert [s[0] for s in results[name]] == ["1", "2"], (name, runs[0][1][-3000:])
+    ref = results["single"]
+    for name in ("torchrun", "srun"):
+        for (_, _, loss), (_, _, want) in zip(results[name], ref):
+            assert abs(float(loss) - float(want)) <= 1e-4 * float(want), (name, results[name], ref)
     assert ref[0][2] != ref[1][2]                     # the model trained between the two steps
+
+
+@pytest.mark.timeout(300)
+def test_save_path_not_shared_by_the_ranks_stops_at_start_up(tmp_path):
+    """srun's 2 tasks in two working directories with a relative ``save_path`` (each rank its own
+    disk): the run stops before step 1 in one line naming rank 1, not at the first save."""
+    cfg = tiny_config(tmp_path, steps=2)
+    cfg["checkpoint"].update(enable_save=True, save_path="ckpt", save_interleaved_steps=1000)
+    path = write_config(tmp_path, cfg)
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in dirs:
+        d.mkdir()
+    port = _free_port()
+    runs = _launch_all([([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator",
+                          "cpu"], srun_env(rank, 2, 1, port)) for rank in (0, 1)], dirs)
+    for code, log in runs:
+        assert code == 2, log[-3000:]
+        errors = [ln for ln in log.splitlines() if ln.startswith("lit_moe: error:")]
+        assert len(errors) == 1 and "checkpoint.save_path" in errors[0] and "rank 1 does not see" in errors[0], log
+        assert "Traceback" not in log and "step 1/2" not in log, log[-3000:]
+    assert not list((dirs[0] / "ckpt").glob(".lit_moe_shared_*"))     # rank 0 removed its token
 
 
 @pytest.mark.timeout(300)
@@ -124,3 +190,52 @@ def test_layer_aux_loss_is_averaged_over_data_parallel_ranks(tmp_path):
     want = (own[0] + own[1]) / 2 / rows[0]["coeff"]
     for r in rows:
         torch.testing.assert_close(torch.tensor(r["logged"], dtype=torch.float64), want, rtol=1e-6, atol=0)
+
+
+_SRUN_4_ON_2 = {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "3"}
+_TORCHRUN_4_ON_2 = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "3"}
+
+
+@pytest.mark.parametrize("env,trainer,want", [
+    # the issue's run: srun 2 nodes × 2 tasks with --trainer.devices 2 and no num_nodes (was sized for 2)
+    (_SRUN_4_ON_2, {"devices": 2}, (4, 2, 2, "srun")),
+    (_SRUN_4_ON_2, {}, (4, 2, 2, "srun")),                          # neither set: the launcher's values
+    ({**_SRUN_4_ON_2, "SLURM_JOB_NAME": "interactive"}, {}, (1, 1, 1, "lightning")),   # Lightning ignores SLURM
+    (_TORCHRUN_4_ON_2, {}, (4, 2, 2, "torchrun")),
+    (_TORCHRUN_4_ON_2, {"num_nodes": 2, "devices": 2}, (4, 2, 2, "torchrun")),
+    ({}, {"devices": 3, "num_nodes": 2}, (6, 3, 2, "lightning")),
+    ({"SLURM_NTASKS": "1"}, {}, (1, 1, 1, "srun")),
+])
+def test_launch_world_follows_the_launcher(env, trainer, want):
+    from lit_moe.launch import launch_world
+
+    got = launch_world(trainer, set(trainer), env=env)
+    assert (got.world_size, got.devices, got.num_nodes, got.launcher) == want
+
+
+@pytest.mark.parametrize("env,trainer,words", [
+    (_SRUN_4_ON_2, {"devices": 4}, ["--trainer.devices 4", "SLURM_NTASKS_PER_NODE=2"]),
+    (_SRUN_4_ON_2, {"num_nodes": 1}, ["--trainer.num_nodes 1", "SLURM_NNODES=2"]),
+    ({"SLURM_NTASKS": "4"}, {}, ["SLURM_NTASKS=4", "SLURM_NTASKS_PER_NODE"]),
+    ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"}, {},
+     ["SLURM_NTASKS=4", "--trainer.num_nodes 1", "--trainer.num_nodes 2"]),
+    (_TORCHRUN_4_ON_2, {"num_nodes": 1}, ["WORLD_SIZE=4", "--trainer.num_nodes 1", "--trainer.num_nodes 2"]),
+    (_TORCHRUN_4_ON_2, {"devices": 1}, ["--trainer.devices 1", "LOCAL_WORLD_SIZE"]),
+])
+def test_launch_world_disagreement_is_one_line_naming_the_keys(env, trainer, words):
+    from lit_moe.config import ConfigError
+    from lit_moe.launch import launch_world
+
+    with pytest.raises(ConfigError) as err:
+        launch_world(trainer, set(trainer), env=env)
+    text = str(err.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_a_built_world_other_than_the_sized_one_stops():
+    from lit_moe.config import ConfigError
+    from lit_moe.launch import check_built_world
+
+    check_built_world(4, 4)
+    with pytest.raises(ConfigError, match="built 8 processes but the run was sized for 4"):
+        check_built_world(4, 8)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional
 
 from lightning.pytorch import Callback
@@ -38,8 +39,74 @@ def build_logger(monitor: Any) -> Optional[Any]:
     tb = monitor.tensorboard   # (log_interval is checked by build_callbacks, which uses it)
     if not tb.output_dir:
         return None
-    return TensorBoardLogger(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME, default_hp_metric=False,
-                             max_queue=tb.queue_size)
+    return _tensorboard_logger_class()(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME,
+                                       default_hp_metric=False, max_queue=tb.queue_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensorboard_logger_class():
+    """Lightning's TensorBoardLogger with the event file opened once (defined when first needed:
+    importing Lightning's loggers is slow)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class OneOpenTensorBoardLogger(TensorBoardLogger):
+        """Lightning's TensorBoardLogger whose event file is opened once (:func:`keep_event_file_open`)."""
+
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> Any:
+            writer = super().experiment
+            keep_event_file_open(writer)
+            return writer
+
+    return OneOpenTensorBoardLogger
+
+
+class _EventFile:
+    """An event file kept open for appending (what TensorFlow's own ``GFile`` does)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "ab")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+
+def keep_event_file_open(writer: Any) -> None:
+    """Without TensorFlow, TensorBoard writes events through its pure-Python ``gfile`` stub, whose
+    ``GFile.write`` on a local path opens the file again in append mode for every record (1,000 opens
+    for 1,000 scalars: a metadata operation each on a shared file system). The local event file of
+    torch's ``SummaryWriter`` is switched to one file handle kept open; other file systems (S3, ...)
+    and TensorFlow's own ``GFile`` are left as they are."""
+    file_writer = getattr(writer, "file_writer", None)   # torch.utils.tensorboard's; None once closed
+    if file_writer is None or getattr(writer, "all_writers", None) is None:
+        return
+    try:
+        from tensorboard.compat.tensorflow_stub.io import gfile as stub
+    except ImportError:  # pragma: no cover - tensorboard without its stub
+        return
+    event_writer = file_writer.event_writer
+    async_writer = getattr(event_writer, "_async_writer", None)
+    records = getattr(async_writer, "_writer", None)          # tensorboard's RecordWriter
+    sink = getattr(records, "_writer", None)
+    if not (isinstance(sink, stub.GFile) and isinstance(sink.fs, stub.LocalFileSystem)) or sink.closed:
+        return
+    event_writer.flush()                       # the queue drained: the writer thread holds no record
+    with async_writer._lock:                   # no record enqueued while the file changes
+        path = sink.filename.decode() if isinstance(sink.filename, bytes) else sink.filename
+        records._writer = _EventFile(path)     # appends after what the GFile wrote (the file header)
+        sink.close()
 
 
 def combine_loggers(builtin: Optional[Any], user: Any) -> list[Any]:

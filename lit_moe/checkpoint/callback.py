@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -71,6 +73,38 @@ def check_save_config(cfg: CheckpointConfig) -> None:
         raise ConfigError(f"checkpoint.save_path: {str(path)!r} exists and is not a directory")
 
 
+def check_shared_directory(comm: Comm, path: Path, field_name: str, wait_s: float = 5.0) -> None:
+    """Every rank sees the same ``path`` (one shared file system), found at start-up rather than at the
+    first save (step ``save_interleaved_steps``, 1,000 by default): rank 0 writes a token file there,
+    every rank looks for it after the broadcast of its name (two small collectives, one file written,
+    one stat per rank). A rank that does not see it retries for ``wait_s`` seconds (the attribute
+    caches of NFS-like file systems) before the run stops in one line naming the ranks."""
+    if not comm.enabled:
+        return
+    token = None
+    if comm.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob(".lit_moe_shared_*"):   # left by a run killed during this check
+            stale.unlink(missing_ok=True)
+        token = f".lit_moe_shared_{uuid.uuid4().hex}"
+        (path / token).write_text(token)
+    token = comm.broadcast(token)
+    marker = path / token
+    deadline = time.monotonic() + wait_s
+    while not marker.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen = comm.all_gather(marker.is_file())
+    if comm.rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        ranks = ", ".join(map(str, blind[:8])) + (f" (and {len(blind) - 8} more)" if len(blind) > 8 else "")
+        raise ConfigError(f"{field_name}: {str(path)!r} is not one directory shared by every rank: rank"
+                          f"{'s' if len(blind) > 1 else ''} {ranks} do{'es' if len(blind) == 1 else ''} not see "
+                          "the file rank 0 wrote there (a node-local disk?); use a directory on a file system "
+                          "all nodes share")
+
+
 class IterationCheckpoint(Callback):
     """Save (and resume from) MindFormers-style iteration directories. See the module docstring."""
 
@@ -95,6 +129,7 @@ class IterationCheckpoint(Callback):
             # collective: every rank runs setup
             strategy = trainer.strategy
             self._comm = Comm.create(strategy.collective_timeout if isinstance(strategy, StepStrategy) else None)
+            check_shared_directory(self._comm, self.save_path, "checkpoint.save_path")
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
@@ -191,7 +226,7 @@ class IterationCheckpoint(Callback):
         job = SaveJob(self.save_path, step, cfg.prefix, model, optim, optim_extra,
                       rng_json=safejson.dumps(rng_state()), common=common,
                       on_committed=self._prune if comm.rank == 0 else None)
-        prepare(comm, self.save_path, step)
+        job.most_bytes = prepare(comm, self.save_path, step, job.nbytes)
         self._last_saved = step
         if cfg.async_save:
             self._thread = threading.Thread(target=self._run_async, args=(comm, job), name=f"lit_moe-save-{step}",

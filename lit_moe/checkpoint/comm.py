@@ -18,8 +18,9 @@ def dist_ready() -> bool:
 
 
 class Comm:
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: Any = None) -> None:
         self.group = group
+        self.timeout = timeout   # the group's collective timeout (a timedelta; None: torch's default)
         self.enabled = dist_ready() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if dist_ready() else 0
         self.world = dist.get_world_size() if dist_ready() else 1
@@ -31,11 +32,19 @@ class Comm:
         timeout, so that a dead rank ends a save with an error rather than a hang)."""
         if not (dist_ready() and dist.get_world_size() > 1):
             return cls(None)
-        return cls(dist.new_group(backend="gloo", timeout=timeout))
+        return cls(dist.new_group(backend="gloo", timeout=timeout), timeout)
 
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier(group=self.group)
+
+    def wait_for_all(self, timeout: Any) -> None:
+        """A barrier whose wait is ``timeout`` (a ``timedelta``) rather than the group's: gloo's
+        monitored barrier, which names the ranks that did not arrive."""
+        if self.enabled and self.group is not None:   # (our groups are gloo; monitored_barrier needs it)
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+        else:
+            self.barrier()
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.enabled:

@@ -15,6 +15,7 @@ import shutil
 import time
 import zlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -145,18 +146,38 @@ class SaveJob:
     rng_json: str = ""
     common: Optional[dict] = None  # rank 0: the body of common.json, without the file digests
     on_committed: Optional[Callable[[int], None]] = None  # rank 0, after the tracker is replaced
+    most_bytes: int = 0   # the tensor bytes of the rank that writes the most (from prepare)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor bytes this rank writes."""
+        pieces = list(self.model.values()) + list((self.optim or {}).values())
+        return sum(p.local.numel() * p.local.element_size() for p in pieces)
 
 
-def prepare(comm: Comm, save_path: Path, step: int) -> None:
+SAVE_BYTES_PER_S_FLOOR = 25 * 2 ** 20
+"""The slowest write rate a rank is granted for its share of a save (25 MiB/s: one rank's part of a
+busy shared file system): the ranks that finish first wait for the rank with the most bytes for
+the collective timeout plus that many seconds (8.2 TB over 2,048 ranks: 4 GB each, 160 s more)."""
+
+
+def save_timeout(collective_timeout: Optional[timedelta], most_bytes: int) -> timedelta:
+    """How long a rank waits, after writing its files, for the others: sized from the checkpoint."""
+    base = collective_timeout if collective_timeout is not None else timedelta(minutes=30)   # torch's default
+    return base + timedelta(seconds=most_bytes / SAVE_BYTES_PER_S_FLOOR)
+
+
+def prepare(comm: Comm, save_path: Path, step: int, nbytes: int = 0) -> int:
     """Rank 0 creates a fresh temporary directory for ``step`` (removing the debris of a killed
-    save); the other ranks wait for it."""
+    save); the other ranks wait for it. Returns the most tensor bytes any rank writes (``nbytes``:
+    this rank's), exchanged in the same collective."""
     if comm.rank == 0:
         save_path.mkdir(parents=True, exist_ok=True)
         tmp = save_path / temp_name(step)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    comm.barrier()
+    return max(comm.all_gather(int(nbytes)))
 
 
 def write_and_commit(comm: Comm, job: SaveJob) -> Path:
@@ -177,6 +198,9 @@ def write_and_commit(comm: Comm, job: SaveJob) -> Path:
         digests[name] = {"kind": "rng", "rank": rank, **_digest(write_bytes_durable(tmp / name, job.rng_json.encode()))}
     except Exception as err:  # report to rank 0 instead of leaving the others hanging in gather
         error = f"rank {rank}: {type(err).__name__}: {err}"
+    # The ranks that finished wait for the slowest writer for a time sized from the checkpoint, not
+    # for the collective timeout (600 s for an 8.2 TB save would fail every large save).
+    comm.wait_for_all(save_timeout(comm.timeout, max(job.most_bytes, job.nbytes)))
     gathered = comm.gather((digests, error))
 
     status = None

@@ -5,10 +5,12 @@ a half-written file, and a lock held by a process that died is released by the o
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import time
+import uuid
 import zlib
 from typing import Callable, Optional
 
@@ -20,45 +22,71 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 
+# flock errors of file systems without working locks (NFS without its lock daemon, some FUSE mounts).
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
 @contextlib.contextmanager
 def file_lock(path: str, timeout_s: float = 3600.0):
-    """Exclusive lock on ``path`` (created if missing) across processes on this machine (and on
-    shared file systems whose ``flock`` works across hosts)."""
+    """Exclusive lock on ``path`` (created if missing) across processes on this machine and on shared
+    file systems whose ``flock`` works across hosts. Where ``flock`` is missing or refused, an
+    exclusive-create marker file (``O_EXCL``, atomic on NFS v3+ and parallel file systems) is polled
+    instead; a marker older than ``timeout_s`` (its holder died) is taken over."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if fcntl is not None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as err:
+                if err.errno not in _NO_FLOCK:
+                    raise
+            else:
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                return
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-        return
-    # Fallback without flock: an exclusive-create marker file, polled (stale after timeout_s).
-    deadline = time.monotonic() + timeout_s
+    with _marker_lock(path + ".excl", timeout_s):
+        yield
+
+
+@contextlib.contextmanager
+def _marker_lock(marker: str, timeout_s: float):
     while True:
         try:
-            fd = os.open(path + ".excl", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             break
         except FileExistsError:
-            if time.monotonic() > deadline:
-                os.remove(path + ".excl")
+            try:
+                if time.time() - os.stat(marker).st_mtime > timeout_s:
+                    os.remove(marker)
+                    continue
+            except FileNotFoundError:
+                continue    # released meanwhile
             time.sleep(0.1)
     try:
         yield
     finally:
         os.close(fd)
-        os.remove(path + ".excl")
+        os.remove(marker)
+
+
+def _temp_name(path: str) -> str:
+    """A temporary name no other process uses, on any host (pids repeat across nodes)."""
+    return f"{path}.tmp{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def atomic_save_npy(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
+    tmp = _temp_name(path) + ".npy"
     np.save(tmp, array, allow_pickle=False)
     os.replace(tmp, path)
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = _temp_name(path)
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -127,10 +155,12 @@ def cached_arrays(
             on_warning(f"the index cache {os.path.join(cache_dir, stem)}-* is damaged ({problem}); rebuilding it")
         return arrays
 
+    rebuild = False
     if complete():
         arrays = load()
         if arrays is not None:
             return arrays, False
+        rebuild = True   # damaged
     lock = file_lock(os.path.join(cache_dir, f"{stem}.lock"))
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -141,24 +171,31 @@ def cached_arrays(
                    f"writable directory to cache them.")
         return build(), True
     try:
-        if complete():  # another rank built it while we waited for the lock
-            loaded = load()
-            if loaded is not None:
-                return loaded, False
-        arrays = build()
-        try:
-            if os.path.exists(desc_path):
-                os.remove(desc_path)  # incomplete until the description is written again
-            for n, p in paths.items():
-                atomic_save_npy(p, arrays[n])
-            atomic_write_text(sums_path, json.dumps({n: _file_digest(p) for n, p in paths.items()}))
-            atomic_write_text(desc_path, description)
-        except OSError as err:
-            on_warning(f"could not write the index cache in {cache_dir} ({err}); the indices are kept "
-                       f"in memory only.")
-        return arrays, True
+        # Under the lock only the build, or the look that another rank built it meanwhile: the loads
+        # (and their CRC checks) run outside it, on every rank in parallel.
+        if rebuild or not complete():
+            return _build_and_write(build, paths, sums_path, desc_path, description, cache_dir, on_warning), True
     finally:
         lock.__exit__(None, None, None)
+    arrays = load()
+    if arrays is not None:
+        return arrays, False
+    return build(), True   # what the other rank wrote is damaged (warned): this rank's own build
+
+
+def _build_and_write(build, paths, sums_path, desc_path, description, cache_dir, on_warning):
+    arrays = build()
+    try:
+        if os.path.exists(desc_path):
+            os.remove(desc_path)  # incomplete until the description is written again
+        for n, p in paths.items():
+            atomic_save_npy(p, arrays[n])
+        atomic_write_text(sums_path, json.dumps({n: _file_digest(p) for n, p in paths.items()}))
+        atomic_write_text(desc_path, description)
+    except OSError as err:
+        on_warning(f"could not write the index cache in {cache_dir} ({err}); the indices are kept "
+                   f"in memory only.")
+    return arrays
 
 
 def _file_digest(path: str, block: int = 1 << 24) -> dict:

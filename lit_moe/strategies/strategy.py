@@ -28,6 +28,7 @@ from torch import nn
 
 from lit_moe.checkpoint.resume import IterationResume
 from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.launch import check_built_world
 from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
@@ -48,6 +49,8 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
             same name); False reduces them in ``compute_dtype``.
         checkpoint: the ``checkpoint`` section; a resume reads ``load_balanced`` and
             ``load_worker_number`` from it (None: their defaults).
+        expected_world_size: the world ``lit_moe fit`` sized gradient accumulation for; a launch
+            that builds another stops at setup with one line (None: not checked).
         lightning_kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``). ``timeout`` defaults to
             ``parallelism.process_group_timeout_s``.
@@ -63,6 +66,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         model_config: Any = None,
         accumulate_allreduce_grads_in_fp32: bool = True,
         checkpoint: Optional[CheckpointConfig] = None,
+        expected_world_size: Optional[int] = None,
         **lightning_kwargs: Any,
     ) -> None:
         parallelism = parallelism if parallelism is not None else ParallelismConfig()
@@ -79,6 +83,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self.model_config = model_config
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
         self.checkpoint_config = checkpoint
+        self.expected_world_size = expected_world_size
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
@@ -90,6 +95,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
     def setup_environment(self) -> None:
         # Not super().setup_environment(): that builds Lightning's 2-D (data, tensor) mesh.
         self._setup_distributed()
+        check_built_world(self.expected_world_size, self.world_size)
         dims = self._make_parallel_dims(self.world_size)
         dims.build_meshes(self.root_device.type)
         self._parallel_dims = dims
