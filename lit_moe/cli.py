@@ -63,10 +63,15 @@ def _auto_device_count(trainer_cfg: dict) -> int:
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
     accel = trainer_cfg.get("accelerator", "auto")
-    if isinstance(accel, str) and accel in AcceleratorRegistry:
-        cls = AcceleratorRegistry[accel]["accelerator"]
-        return cls.auto_device_count() if cls.is_available() else 1
-    return 1  # "auto" on a CPU machine, and Lightning picks one device for CPU by default
+    # "auto" is Lightning's pick: the first available accelerator with all of its devices, else the CPU
+    # (one device); sizing accumulation for one device on a multi-GPU node would stop the run.
+    names = ("cuda", "npu") if accel in (None, "auto") else (accel,)
+    for name in names:
+        if isinstance(name, str) and name in AcceleratorRegistry:
+            cls = AcceleratorRegistry[name]["accelerator"]
+            if cls.is_available():
+                return cls.auto_device_count()
+    return 1
 
 
 class LitMoECLI(LightningCLI):

@@ -239,3 +239,16 @@ def test_a_built_world_other_than_the_sized_one_stops():
     check_built_world(4, 4)
     with pytest.raises(ConfigError, match="built 8 processes but the run was sized for 4"):
         check_built_world(4, 8)
+
+
+@pytest.mark.parametrize("accelerator,want", [("auto", 4), (None, 4), ("cuda", 4), ("cpu", 1)])
+def test_auto_devices_are_lightnings_pick(monkeypatch, accelerator, want):
+    """``devices: auto`` under Lightning's own launcher counts every device of the accelerator
+    Lightning picks (four GPUs here, faked), so accumulation is sized for the world it will build."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    from lit_moe.cli import _auto_device_count
+
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(CUDAAccelerator, "auto_device_count", staticmethod(lambda: 4))
+    assert _auto_device_count({} if accelerator is None else {"accelerator": accelerator}) == want
