@@ -74,7 +74,7 @@ def test_reads_a_checkpoint_written_by_transformers(tmp_path):
     assert ours.config.q_lora_rank is None and ours.config.yarn_original_length == 32
     x = ids(seed=4)
     with torch.no_grad():
-        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-4
+        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-5   # measured 1.1e-6
 
 
 def test_sharded_save_with_index(tmp_path):
@@ -93,7 +93,7 @@ def test_sharded_save_with_index(tmp_path):
     with torch.no_grad():
         ref = m(x).logits
         assert torch.equal(back(x).logits, ref)
-        assert (hf(x).logits - ref).abs().max().item() <= 1e-4
+        assert (hf(x).logits - ref).abs().max().item() <= 3e-5   # measured 3.1e-6
 
 
 def test_deepseek_layout_with_mtp_layers_round_trips(tmp_path):
