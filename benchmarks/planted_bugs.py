@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((b, outcome, secs, detail))
             print(f"{outcome:10s} {secs:6.0f}s  {b.name:32s} {detail}", flush=True)
     survived = [b.name for b, outcome, _, _ in rows if outcome != "caught"]
-    print(f"\n{len(rows) - len(survived)}/{len(rows)} caught" + (f"; not caught: {', '.join(survived)}" if survived else ""))
+    missed = f"; not caught: {', '.join(survived)}" if survived else ""
+    print(f"\n{len(rows) - len(survived)}/{len(rows)} caught{missed}")
     if args.markdown:
         lines = ["| bug | area | file | outcome | caught by |", "|---|---|---|---|---|"]
         for b, outcome, _, detail in rows:
