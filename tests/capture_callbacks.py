@@ -29,12 +29,27 @@ class GradCapture(Callback):
 
 
 class StepRecorder(Callback):
-    """Writes ``step_metrics`` (loss, lr, grad norm, ...) of every optimizer step as JSON lines."""
+    """Writes ``step_metrics`` (loss, lr, grad norm, ...) of every optimizer step as JSON lines, at full
+    precision (the console prints four decimals), and the evaluation losses as ``{path}.val.json``."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.path, self.val = path, {}
+
+    def _collect_val(self, trainer) -> None:
+        from lit_moe.evaluation import Evaluation
+
+        for cb in trainer.callbacks:   # it may run before or after this callback in a step
+            if isinstance(cb, Evaluation) and cb.last is not None:
+                self.val[int(cb.last["step"])] = float(cb.last["val/loss"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._collect_val(trainer)
+        if self.val and trainer.global_rank == 0:
+            with open(self.path + ".val.json", "w") as f:
+                json.dump(self.val, f)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._collect_val(trainer)
         m = pl_module.step_metrics
         if trainer.global_rank == 0:
             row = {k: getattr(m, k) for k in ("step", "loss", "lr", "grad_norm", "consumed_samples", "aux_loss",

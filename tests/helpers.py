@@ -54,3 +54,21 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None =
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "lit_moe.cli", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def randomize_norms_and_biases(model, seed: int = 7) -> None:
+    """Every RMSNorm weight to ``1 + 0.2·N(0,1)`` and every router expert bias to ``0.3·N(0,1)``.
+
+    Freshly built models have every norm weight at 1.0, so a comparison with an independent model
+    cannot see two same-shaped norms swapped (input/post-attention norms in a key map, enorm/hnorm in
+    MTP). Works on our model and on transformers' (names ending in ``norm.weight`` and
+    ``expert_bias`` / ``e_score_correction_bias``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("norm.weight"):
+                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("expert_bias", "e_score_correction_bias")):
+                t.copy_(0.3 * torch.randn(t.shape, generator=g))

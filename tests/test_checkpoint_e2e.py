@@ -23,14 +23,45 @@ from lightning.pytorch import Callback
 TESTS = Path(__file__).resolve().parent
 
 
-class StepProbe(Callback):
-    """Records ``{"step", "loss", "lr", "consumed", "batches"}`` per optimizer step (rank 0)."""
+def _full(t):
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+
+def training_state(trainer, pl_module) -> dict:
+    """Every tensor of the model (parameters and buffers) and of the optimizer's state, as full tensors
+    by name (a collective under FSDP/TP/EP: every rank calls it)."""
+    model = pl_module.model
+    persistent = set(model.state_dict())          # not the per-step counters (never saved)
+    out = {f"model.{n}": _full(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in persistent}
+    state = trainer.optimizers[0].state
+    for n, p in model.named_parameters():
+        for key, value in state.get(p, {}).items():
+            if hasattr(value, "shape"):
+                out[f"optimizer.{n}.{key}"] = _full(value)
+    return out
+
+
+class StepProbe(Callback):
+    """Records ``{"step", "loss", "lr", "consumed", "batches"}`` per optimizer step (rank 0); with
+    ``dump``, also every tensor of the training state (:func:`training_state`) after step
+    ``dump_step``, or as restored at train start when ``dump_step`` is 0."""
+
+    def __init__(self, path: str, dump: str = "", dump_step: int = -1) -> None:
+        self.path, self.dump, self.dump_step = path, dump, dump_step
         self.batches: list[str] = []
 
+    def _dump(self, trainer, pl_module) -> None:
+        import torch
+
+        state = training_state(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save(state, self.dump)
+
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.dump and self.dump_step == 0:
+            self._dump(trainer, pl_module)
+
         def record(module, args, kwargs):  # every micro-batch's tokens, as the model receives them
             ids = kwargs["input_ids"].detach().cpu().contiguous()
             self.batches.append(hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16])
@@ -44,6 +75,8 @@ class StepProbe(Callback):
                 f.write(json.dumps({"step": m.step, "loss": repr(m.loss), "lr": repr(m.lr),
                                     "consumed": m.consumed_samples, "batches": self.batches}) + "\n")
         self.batches = []
+        if self.dump and m.step == self.dump_step:
+            self._dump(trainer, pl_module)
 
 
 def _helpers():
@@ -56,7 +89,7 @@ def _helpers():
 
 
 def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict, dataloader: dict | None = None,
-            **model) -> Path:
+            dump: tuple[Path, int] | None = None, **model) -> Path:
     h = _helpers()
     cfg = h.tiny_config(tmp_path, steps=steps)
     cfg["training"]["deterministic"] = True
@@ -65,7 +98,9 @@ def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict
     cfg["train_dataset"]["dataloader"]["config"]["vocab_size"] = cfg["model"]["vocab_size"]
     cfg["train_dataset"]["dataloader"]["sizes"] = [steps * 4 * 4, 0, 0]
     cfg["checkpoint"] = {**cfg["checkpoint"], "enable_save": False, **checkpoint}
-    cfg["callbacks"] = [{"class_path": "test_checkpoint_e2e.StepProbe", "init_args": {"path": str(probe)}}]
+    probe_args = {"path": str(probe)} if dump is None else {"path": str(probe), "dump": str(dump[0]),
+                                                            "dump_step": dump[1]}
+    cfg["callbacks"] = [{"class_path": "test_checkpoint_e2e.StepProbe", "init_args": probe_args}]
     return h.write_config(tmp_path, cfg, name)
 
 
@@ -116,7 +151,13 @@ def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
     extra = {"tp2": ["--trainer.devices", "2", "--parallelism.tensor_parallel", "2"],
              "ep2": ["--trainer.devices", "2", "--parallelism.expert_parallel", "2"],
              "one_process": ["--trainer.devices", "1"]}[layout]
-    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt), *extra)
+    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra)
+    # every tensor of the model and the optimizer as restored in the new layout: the saved run's, bit for bit
+    import torch
+
+    saved, restored = torch.load(base / "saved.pt"), torch.load(tmp_path / "restored.pt")
+    assert saved.keys() == restored.keys() and sum(k.startswith("optimizer.") for k in saved) > 20
+    assert [k for k in saved if not torch.equal(saved[k], restored[k])] == [], layout
     resumed = _probe(probe)
     straight = _probe(base / "probe.jsonl")
     assert sorted(resumed) == [4, 5]
@@ -138,7 +179,8 @@ def _dp2_run(tmp_path_factory) -> Path:
     if "path" not in _DP2:
         base = tmp_path_factory.mktemp("dp2")
         config = _config(base, "dp2.yaml", base / "probe.jsonl", 5,
-                         {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3})
+                         {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3},
+                         dump=(base / "saved.pt", 3))
         _fit(base, config, "--trainer.devices", "2")
         assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4, 5]
         # MindFormers' run facts in common.json, from the strategy's declared degrees and the config

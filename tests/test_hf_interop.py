@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import transformers  # the judge: a hard test dependency (pyproject [test])
 
+from helpers import randomize_norms_and_biases
 from lit_moe.model.hf import HFCheckpointError  # noqa: E402
 from lit_moe.model import DeepseekV3ForCausalLM  # noqa: E402
 
@@ -25,10 +26,7 @@ CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediat
 def ours_model(**overrides):
     torch.manual_seed(0)
     m = DeepseekV3ForCausalLM({**CFG, **overrides}).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for moe in m.moe_layers():
-            moe.router.expert_bias.copy_(torch.randn(8, generator=g) * 0.3)
+    randomize_norms_and_biases(m, seed=1)   # a swap of same-shaped norms must show in every comparison
     return m
 
 
@@ -53,7 +51,8 @@ def test_logits_match_transformers(tmp_path, q_lora):
     x = ids()
     with torch.no_grad():
         ours, theirs = m(x).logits, hf(x).logits
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    # measured 2.1e-6 (q_lora) / 2.3e-6; the norms swapped in the key map: ≈ 3
+    assert (ours - theirs).abs().max().item() <= 2e-5
     # the biases really steer the routing in this test
     with torch.no_grad():
         for moe in m.moe_layers():
@@ -69,15 +68,13 @@ def test_reads_a_checkpoint_written_by_transformers(tmp_path):
     cfg.pop("lit_moe")
     torch.manual_seed(3)
     hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg)).eval()
-    with torch.no_grad():
-        for layer in hf.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    randomize_norms_and_biases(hf, seed=4)
     hf.save_pretrained(tmp_path)
     ours = DeepseekV3ForCausalLM.from_pretrained(tmp_path, compute_dtype="float32").eval()
     assert ours.config.q_lora_rank is None and ours.config.yarn_original_length == 32
     x = ids(seed=4)
     with torch.no_grad():
-        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-4
+        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-5   # measured 1.1e-6
 
 
 def test_sharded_save_with_index(tmp_path):
@@ -96,7 +93,7 @@ def test_sharded_save_with_index(tmp_path):
     with torch.no_grad():
         ref = m(x).logits
         assert torch.equal(back(x).logits, ref)
-        assert (hf(x).logits - ref).abs().max().item() <= 1e-4
+        assert (hf(x).logits - ref).abs().max().item() <= 3e-5   # measured 3.1e-6
 
 
 def test_deepseek_layout_with_mtp_layers_round_trips(tmp_path):
@@ -207,3 +204,53 @@ def test_clear_errors(tmp_path):
                              (dict(position_embedding_type="learned_absolute"), "position_embedding_type")):
         with pytest.raises(HFCheckpointError, match=rf"model\.{field}"):
             ours_model(**overrides).save_pretrained(tmp_path / "x")
+
+
+def _rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_matches_the_papers_formula(tmp_path, depth):
+    """MTP from the DeepSeek-V3 report (deepseek_math.md §5), in plain tensor code on the checkpoint's
+    tensors, with transformers' decoder layer as the block: h^0 = the main model's final-norm output,
+    h'_k = eh_proj [RMSNorm_e(Emb(t_{i+k})) ; RMSNorm_h(h^{k-1})], h^k = shared_head.norm(Block_k(h'_k)),
+    L = λ/D Σ_k masked-mean CE(lm_head(h^k), labels shifted by k). Independent of lit_moe's MTP layer."""
+    L, lam = CFG["num_hidden_layers"], 0.3
+    m = ours_model(num_nextn_predict_layers=depth, mtp_loss_scaling_factor=lam)
+    m.save_pretrained(tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    # the main model and the MTP blocks as transformers' layers: load the MTP layers as extra layers
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", num_hidden_layers=L + depth).eval()
+    eps = hf.config.rms_norm_eps
+    B, S = 2, 24
+    x, labels = ids(B, S, seed=5), ids(B, S, seed=6)
+    mask = (torch.rand(B, S, generator=torch.Generator().manual_seed(7)) > 0.2).float()
+    pos = torch.arange(S)[None].expand(B, S)
+    causal = torch.full((S, S), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        hf.config.num_hidden_layers = L                      # the main model runs its L layers only
+        h = hf.model(x).last_hidden_state                    # after the final norm (MindFormers / Megatron)
+        total = 0.0
+        for k in range(1, depth + 1):
+            p = f"model.layers.{L + k - 1}."
+
+            def shift(t):                                    # left by k, zero fill
+                return torch.cat([t[:, k:], torch.zeros_like(t[:, :k])], dim=1)
+
+            emb = w["model.embed_tokens.weight"][shift(x)]
+            h_in = torch.cat([_rms(emb, w[p + "enorm.weight"], eps), _rms(h, w[p + "hnorm.weight"], eps)], -1)
+            h_in = h_in @ w[p + "eh_proj.weight"].T
+            block = hf.model.layers[L + k - 1]
+            out = block(h_in, attention_mask=causal, position_ids=pos,
+                        position_embeddings=hf.model.rotary_emb(h_in, pos))
+            h = _rms(out[0] if isinstance(out, tuple) else out, w[p + "shared_head.norm.weight"], eps)
+            ce = torch.nn.functional.cross_entropy((h @ w["lm_head.weight"].T).reshape(-1, CFG["vocab_size"]),
+                                                   shift(labels).reshape(-1), reduction="none")
+            mk = shift(mask).reshape(-1)
+            total = total + (ce * mk).sum() / mk.sum()
+        ref = total * lam / depth
+        ours = m(x, labels=labels, loss_mask=mask).mtp_loss
+    # measured |Δ| = 1.2e-7 (depth 1 and 2, fp32)
+    assert abs(ours.item() - ref.item()) <= 1e-6, (ours.item(), ref.item())

@@ -111,6 +111,7 @@ def run_layout(name: str) -> dict:
     import torch.distributed as dist
 
     from lit_moe.config import ParallelismConfig
+    from lit_moe.lora import is_adapter_name
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies import ParallelDims
     from lit_moe.strategies.parallelize import parallelize
@@ -126,6 +127,7 @@ def run_layout(name: str) -> dict:
     model.to_empty(device="cpu")
     model.init_weights(7)
     finish(model)
+    base_before = {n: full(p).clone() for n, p in model.named_parameters() if not is_adapter_name(n)}
     dp_mesh = dims.mesh("dp")
     result = train(model, dims, dp_rank=dp_mesh.get_local_rank(), dp=dims.dp, count_group=dp_mesh.get_group(),
                    steps=STEPS)
@@ -136,6 +138,9 @@ def run_layout(name: str) -> dict:
     out["val_loss"] = val_loss(model, dp_mesh.get_local_rank(), dims.dp)
     out["dp"] = dims.dp
     out["frozen_with_grad"] = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    # every element of every frozen shard, bit for bit (a sum of squares would hide a moved element)
+    out["base_changed"] = [n for n, p in model.named_parameters()
+                           if not is_adapter_name(n) and not torch.equal(full(p), base_before[n])]
     return out
 
 
@@ -184,9 +189,12 @@ def test_lora_layout_matches_one_process(name, results, ref):
     assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=1e-6), name
     assert torch.allclose(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-4, atol=1e-7)
     assert set(got["adapters"]) == set(ref["adapters"])
-    for key, value in ref["adapters"].items():
-        assert torch.allclose(torch.tensor(got["adapters"][key]), torch.tensor(value), rtol=1e-3, atol=1e-6), key
-    # frozen base: unchanged by training, here and in the reference
+    worst = max(float((torch.tensor(got["adapters"][k]) - torch.tensor(v)).abs().max() / torch.tensor(v).abs().max())
+                for k, v in ref["adapters"].items())
+    # worst adapter element relative to the tensor's largest: measured 1.5e-5 (dp2), 6.3e-5 (tp2), 1.4e-5 (ep2)
+    assert worst <= 6e-4, (name, worst)
+    # frozen base: every element unchanged by training; the same initial weights as the reference
+    assert got["base_changed"] == []
     assert got["base_sq"] == pytest.approx(ref["base_sq_before"], rel=1e-9)
     assert ref["base_sq"] == ref["base_sq_before"]
     # AdamW moments (exp_avg, exp_avg_sq) exist for the adapters only, summed over both ranks' shards

@@ -177,6 +177,10 @@ def test_capacity_dropping_matches_reference(policy, pad):
     assert moe.drop_rate() == pytest.approx(dropped / (T * K))
     assert moe.tokens_per_expert.sum().item() == T * K - dropped
     assert moe.tokens_per_expert.max().item() <= C
+    # per expert: the kept assignments of the router's own indices, counted by hand
+    indices = moe.router(x.reshape(T, 8))[1]
+    kept = torch.bincount(indices[torch.tensor(keep)], minlength=E).float()
+    assert torch.equal(moe.tokens_per_expert, kept) and torch.equal(moe.last_stats["tokens_per_expert"], kept)
 
 
 def test_token_dropped_everywhere_keeps_only_shared_expert():
@@ -291,6 +295,31 @@ def test_expert_bias_update_sign_rule():
     assert moe.tokens_per_expert.sum().item() == 0
     with pytest.raises(ValueError, match="counts has 1 rows"):
         m.update_expert_bias(torch.zeros(1, 4))
+
+
+def test_counts_per_expert_are_the_routers_choices_and_steer_the_bias():
+    """tokens_per_expert of every MoE layer (main and MTP) = a bincount of that router's top-k indices,
+    summed over two micro-batches; the bias update then moves each expert by rate·sign(mean - count)."""
+    m, _ = make_moe(num_hidden_layers=3, num_nextn_predict_layers=1, moe_router_bias_update_rate=1e-3)
+    m.train()
+    chosen_by = {}
+    for moe in m.moe_layers():
+        moe.router.register_forward_hook(
+            lambda mod, inp, out, moe=moe: chosen_by.setdefault(moe, []).append(out[1].reshape(-1)))
+    for seed in (1, 2):
+        ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+        out = m(ids, labels=ids)
+        (out.loss + out.mtp_loss).backward()
+    counts = []
+    for moe in m.moe_layers():
+        expected = torch.bincount(torch.cat(chosen_by[moe]), minlength=8).float()
+        assert torch.equal(moe.tokens_per_expert, expected)
+        counts.append(expected)
+        assert expected.min() < expected.max()          # an unbalanced load: the update has a direction
+    before = [moe.router.expert_bias.clone() for moe in m.moe_layers()]
+    m.update_expert_bias()
+    for moe, b0, c in zip(m.moe_layers(), before, counts):
+        torch.testing.assert_close(moe.router.expert_bias - b0, 1e-3 * torch.sign(c.mean() - c), rtol=0, atol=1e-9)
 
 
 def test_expert_bias_disabled_only_resets_counters():

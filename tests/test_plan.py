@@ -103,7 +103,8 @@ def test_per_rank_bytes_match_the_layout(tmp_path, world, tp, cp, ep, shard):
     result, text = _run(_write(tmp_path, cfg), world)
     mem = result["memory"]
     expected = _expected_local_values(cfg, result["dims"])
-    assert abs(mem["params_numel"] - expected) <= 0.10 * expected, (mem["params_numel"], expected)
+    # measured: exact (relative error 0.0) for all three layouts; a projection left unsplit is ~1%
+    assert abs(mem["params_numel"] - expected) <= 1e-9 * expected, (mem["params_numel"], expected)
     assert mem["params"] == 4 * mem["params_numel"]            # fp32 master weights
     assert mem["optimizer"] == 2 * 4 * mem["params_numel"]     # AdamW: two fp32 moments
     assert "optimizer state (AdamW, fp32)" in text
@@ -122,7 +123,8 @@ def test_1024_ranks_deepseek_v3_671b(tmp_path):
     # 671B parameters, 37B active (the published DeepSeek-V3 numbers)
     assert 670e9 < result["total"] < 672e9 and 37e9 < result["active"] < 38e9
     expected = _expected_local_values(cfg, dims)
-    assert abs(result["memory"]["params_numel"] - expected) <= 0.10 * expected
+    # measured relative error 5.4e-6 (uneven shards of 671B rounded per rank)
+    assert abs(result["memory"]["params_numel"] - expected) <= 5e-5 * expected
     assert "training FLOPs per token" in text
 
 

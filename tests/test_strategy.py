@@ -312,7 +312,8 @@ def clip_grad_norm_(params, max_norm):
     return norm
 
 
-def test_clip_grad_norm_matches_torch():
+@pytest.mark.parametrize("max_norm", [1.0, 100.0], ids=["clips", "below_the_norm"])
+def test_clip_grad_norm_matches_torch(max_norm):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4))]
     for p in params:
@@ -321,8 +322,8 @@ def test_clip_grad_norm_matches_torch():
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for rp, g in zip(ref_params, ref):
         rp.grad = g.clone()
-    expected = torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
-    got = clip_grad_norm_(params, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+    got = clip_grad_norm_(params, max_norm)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected)
     for p, rp in zip(params, ref_params):
