@@ -274,6 +274,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.module import LitMoE
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
+    from lit_moe.device_speed import available_accelerator, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
 
@@ -296,7 +297,12 @@ def build_run(cfg: Any) -> Run:
     _check_training(training)
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**model_section)
+    accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator == "auto":
+        accelerator = available_accelerator()
+    model_config = DeepseekV3Config(**resolve_model_section(model_section, accelerator))
 
     seq_length = _dataset_seq_length(train_dataset, model_config)
     from lit_moe.model.config_parsing import check_document_mask_data
@@ -355,12 +361,6 @@ def build_run(cfg: Any) -> Run:
 
     from lit_moe.strategies.plan import check_fits
 
-    accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
-    if accelerator == "gpu":
-        accelerator = "cuda"
-    if accelerator == "auto":  # what Lightning's "auto" picks: an available accelerator, else the CPU
-        accelerator = next((name for name in ("cuda", "npu")
-                            if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
     nodes = int(trainer_section.get("num_nodes", 1) or 1)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nodes, 1))
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,

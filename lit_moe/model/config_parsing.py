@@ -103,8 +103,13 @@ def normalise(cfg: Any) -> None:
     for name in DTYPE_FIELDS:
         value = getattr(cfg, name)
         key = str(value).replace("torch.", "").lower()
+        if key == "auto" and name == "compute_dtype":
+            raise ConfigError("model.compute_dtype: 'auto' is resolved for a device when a run starts "
+                              "(lit_moe.device_speed.resolve_model_section); this model config was "
+                              "built without one: give float32 or bfloat16")
         if key not in _DTYPES:
-            raise ConfigError(f"model.{name}: unknown dtype {value!r}; supported: float32, bfloat16, float16")
+            raise ConfigError(f"model.{name}: unknown dtype {value!r}; supported: float32, bfloat16, float16"
+                              + (", auto" if name == "compute_dtype" else ""))
         set_(name, str(_DTYPES[key]).replace("torch.", ""))
     if cfg.window_size is not None:
         set_("window_size", parse_window(cfg.window_size))

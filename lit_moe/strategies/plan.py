@@ -128,6 +128,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     out = sys.stdout if out is None else out
 
+    from lit_moe.device_speed import available_accelerator, resolve_model_section
     from lit_moe.model import DeepseekV3Config
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
     from lit_moe.strategies.strategy import check_parallelism_section
@@ -145,7 +146,8 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     model_section = _section(data, "model")
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**model_section)
+    # compute_dtype auto: what a run on this machine would use
+    model_config = DeepseekV3Config(**resolve_model_section(model_section, available_accelerator()))
     seq_length = _seq_length(data, model_config)
 
     check_parallelism_keys(parallelism)
