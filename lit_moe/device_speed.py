@@ -116,14 +116,14 @@ class Bf16Check:
         return "; ".join(parts) or "no measurement"
 
 
-def bf16_capability(device: torch.device) -> Optional[bool]:
-    """torch's own answer to "is bf16 native here?", or None where it has no query."""
-    if device.type == "cpu":
+def bf16_capability(kind: str) -> Optional[bool]:
+    """torch's own answer to "is bf16 native on this kind of device?", or None where it has none."""
+    if kind == "cpu":
         query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
         if query is None or not torch.backends.mkldnn.is_available():
             return None
         return bool(query())
-    if device.type == "cuda":
+    if kind == "cuda":
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     return None
 
@@ -163,17 +163,17 @@ def bf16_check(device: torch.device | str) -> Bf16Check:
     The measurement decides (it is what the run will see); when torch's capability query disagrees
     the measurement is repeated for ten times as long (a loaded machine) before it decides.
     Accelerators: the query, and native where torch has none (Ascend, XPU)."""
-    device = torch.device(device)
-    if device.type not in _CHECKS:
-        query = bf16_capability(device)
-        if device.type == "cpu":
-            bf16, fp32 = _interleaved_rates(device, DTYPE_BUDGET_S)
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind not in _CHECKS:   # a kind name, not torch.device: "npu" needs torch_npu imported for that
+        query = bf16_capability(kind)
+        if kind == "cpu":
+            bf16, fp32 = _interleaved_rates(torch.device("cpu"), DTYPE_BUDGET_S)
             if query is not None and (bf16 >= NATIVE_RATIO * fp32) != query:
-                bf16, fp32 = _interleaved_rates(device, 10 * DTYPE_BUDGET_S)
-            _CHECKS[device.type] = Bf16Check(bf16 >= NATIVE_RATIO * fp32, bf16, fp32, query, device.type)
+                bf16, fp32 = _interleaved_rates(torch.device("cpu"), 10 * DTYPE_BUDGET_S)
+            _CHECKS[kind] = Bf16Check(bf16 >= NATIVE_RATIO * fp32, bf16, fp32, query, kind)
         else:
-            _CHECKS[device.type] = Bf16Check(query is not False, None, None, query, device.type)
-    return _CHECKS[device.type]
+            _CHECKS[kind] = Bf16Check(query is not False, None, None, query, kind)
+    return _CHECKS[kind]
 
 
 def resolve_compute_dtype(requested: str, device: torch.device | str) -> tuple[str, Optional[str]]:

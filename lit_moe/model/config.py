@@ -224,7 +224,8 @@ class DeepseekV3Config:
     """dtype the parameters are created in (master weights)."""
     compute_dtype: str = "bfloat16"
     """dtype of activations and matrix multiplies (weights are cast on the fly). ``auto`` (lit_moe's
-    value; ``fit`` and ``plan`` resolve it at start-up and print what it became): ``bfloat16`` where
+    value; ``fit`` and ``plan`` resolve it for the run's device and print what it became, a config
+    built in Python resolves it for this machine's default device): ``bfloat16`` where
     bf16 is native (GPUs, Ascend NPUs, CPUs with AMX or AVX512-BF16), ``float32`` elsewhere (CPUs
     with AVX2 only, where torch's bf16 matmuls run 30-200x slower than fp32). An explicit
     ``bfloat16`` is kept on such a CPU, with one start-up line giving the measured rates."""

@@ -104,9 +104,10 @@ def normalise(cfg: Any) -> None:
         value = getattr(cfg, name)
         key = str(value).replace("torch.", "").lower()
         if key == "auto" and name == "compute_dtype":
-            raise ConfigError("model.compute_dtype: 'auto' is resolved for a device when a run starts "
-                              "(lit_moe.device_speed.resolve_model_section); this model config was "
-                              "built without one: give float32 or bfloat16")
+            # a run resolves it for its accelerator first (and prints the line); elsewhere: this machine's
+            from lit_moe.device_speed import available_accelerator, resolve_compute_dtype
+
+            key = resolve_compute_dtype("auto", available_accelerator())[0]
         if key not in _DTYPES:
             raise ConfigError(f"model.{name}: unknown dtype {value!r}; supported: float32, bfloat16, float16"
                               + (", auto" if name == "compute_dtype" else ""))
