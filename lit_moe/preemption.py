@@ -14,6 +14,11 @@ checkpoint (auto-resume) and continues bit for bit.
 Under SLURM with Lightning's auto-requeue (the default of its ``SLURMEnvironment``), the requeue
 signal (SIGUSR1 unless configured otherwise) also requeues the job (``scontrol requeue``), as
 Lightning's own handler does, after the checkpoint is written. A second SIGINT aborts at once.
+
+A signal during start-up is obeyed as promptly: before Lightning's handlers exist it ends the
+process (the default action); between them and the start of training (set-up, the MFU peak probe,
+at most a second) Lightning records it and the callback takes it over, so the run stops after its
+first step.
 """
 
 from __future__ import annotations
@@ -90,6 +95,13 @@ class Preemption(Callback):
         # After Lightning registered its own handlers (Trainer._run), so these replace them.
         self._last_step = trainer.global_step
         self._install()
+        connector = getattr(trainer, "_signal_connector", None)
+        if getattr(connector, "received_sigterm", False):
+            # SIGTERM during start-up (model set-up, the MFU peak probe) reached Lightning's handler,
+            # which would act on it only at the end of the epoch, with exit status 0: it is ours now
+            # (stop after the first step, with its checkpoint, exit status 143)
+            connector.received_sigterm = False
+            self._handle(signal.SIGTERM, None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
