@@ -274,7 +274,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.module import LitMoE
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
-    from lit_moe.device_speed import available_accelerator, resolve_model_section
+    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
 
@@ -302,7 +302,8 @@ def build_run(cfg: Any) -> Run:
         accelerator = "cuda"
     if accelerator == "auto":
         accelerator = available_accelerator()
-    model_config = DeepseekV3Config(**resolve_model_section(model_section, accelerator))
+    model_section, dtype_note = resolve_model_section(model_section, accelerator)
+    model_config = DeepseekV3Config(**model_section)
 
     seq_length = _dataset_seq_length(train_dataset, model_config)
     from lit_moe.model.config_parsing import check_document_mask_data
@@ -405,6 +406,7 @@ def build_run(cfg: Any) -> Run:
     run.callbacks = merge_callbacks(builtin, user)
     run.logger = build_logger(monitor)
     run.explicit_trainer_keys = set(_explicit_trainer_keys())
+    print_note(dtype_note)   # compute_dtype auto, or a slow bfloat16: once everything is valid
     return run
 
 

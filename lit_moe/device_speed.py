@@ -201,13 +201,18 @@ def available_accelerator() -> str:
                  if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
 
 
-def resolve_model_section(model_section: dict, accelerator: str) -> dict:
-    """``model_section`` with ``compute_dtype`` resolved for ``accelerator`` (``cpu``, ``cuda``,
-    ``npu``, ...); the decision's line goes to stderr once, from the first rank."""
+def resolve_model_section(model_section: dict, accelerator: str) -> tuple[dict, Optional[str]]:
+    """(``model_section`` with ``compute_dtype`` resolved for ``accelerator`` (``cpu``, ``cuda``,
+    ``npu``, ...), the decision's line or None). The caller prints the line (:func:`print_note`)
+    once the whole config is valid, so that a bad config still gets one error line only."""
     requested = model_section.get("compute_dtype")
     if requested is None:
-        return model_section
+        return model_section, None
     chosen, line = resolve_compute_dtype(requested, accelerator)
+    return {**model_section, "compute_dtype": chosen}, line
+
+
+def print_note(line: Optional[str]) -> None:
+    """``lit_moe: <line>`` on stderr, from the first rank only."""
     if line and int(os.environ.get("RANK", "0") or 0) == 0:
         print(f"lit_moe: {line}", file=sys.stderr, flush=True)
-    return {**model_section, "compute_dtype": chosen}

@@ -114,12 +114,30 @@ def test_accelerators_answer_from_the_query(monkeypatch):
     assert device_speed.resolve_compute_dtype("auto", "npu")[0] == "bfloat16"
 
 
-def test_model_section_resolution_prints_one_line(monkeypatch, capsys):
+def test_model_section_resolution(monkeypatch):
     _decision(monkeypatch, *EMULATED, False)
     section = {"compute_dtype": "auto", "hidden_size": 64}
-    assert device_speed.resolve_model_section(section, "cpu") == {"compute_dtype": "float32", "hidden_size": 64}
-    assert section["compute_dtype"] == "auto"
-    assert capsys.readouterr().err.count("lit_moe: model.compute_dtype auto → float32") == 1
+    resolved, note = device_speed.resolve_model_section(section, "cpu")
+    assert resolved == {"compute_dtype": "float32", "hidden_size": 64} and section["compute_dtype"] == "auto"
+    assert note.startswith("model.compute_dtype auto → float32")
+
+
+def test_fit_prints_the_decision_once_and_a_bad_config_only_its_error(monkeypatch, tmp_path, capsys):
+    from helpers import tiny_config, write_config
+
+    from lit_moe.cli import main
+
+    _decision(monkeypatch, *EMULATED, False)
+    monkeypatch.chdir(tmp_path)
+    bad = tiny_config(tmp_path)
+    bad["training"]["global_batch_size"] = 1   # below local_batch_size 2
+    assert main(["fit", "--config", str(write_config(tmp_path, bad))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lit_moe: error:") and "global_batch_size" in err[0]
+    good = tiny_config(tmp_path, steps=1)
+    assert main(["fit", "--config", str(write_config(tmp_path, good))]) == 0
+    err = capsys.readouterr().err
+    assert err.count("lit_moe: model.compute_dtype auto → float32 on cpu") == 1
 
 
 @pytest.mark.parametrize("rates, chosen", [(NATIVE, "bfloat16"), (EMULATED, "float32")])

@@ -128,7 +128,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     out = sys.stdout if out is None else out
 
-    from lit_moe.device_speed import available_accelerator, resolve_model_section
+    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.model import DeepseekV3Config
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
     from lit_moe.strategies.strategy import check_parallelism_section
@@ -147,7 +147,8 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
     # compute_dtype auto: what a run on this machine would use
-    model_config = DeepseekV3Config(**resolve_model_section(model_section, available_accelerator()))
+    model_section, dtype_note = resolve_model_section(model_section, available_accelerator())
+    model_config = DeepseekV3Config(**model_section)
     seq_length = _seq_length(data, model_config)
 
     check_parallelism_keys(parallelism)
@@ -172,6 +173,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     total = _count(counts, "total")
     active = _count(counts, "active")
+    print_note(dtype_note)
     p = print
     p(f"lit_moe plan: {config_path} on {world_size} ranks", file=out)
     p("layout", file=out)
