@@ -154,6 +154,7 @@ class Run:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        self.dtype_note: Optional[str] = None   # the compute-dtype line, printed with the trainer
 
     def make_trainer(self, trainer_cfg: dict[str, Any]):
         from lightning.pytorch import Trainer
@@ -162,6 +163,7 @@ class Run:
         from lit_moe.callbacks.console import RunSummary, console_is_terminal, quiet_lightning
         from lit_moe.callbacks.loggers import combine_loggers
         from lit_moe.callbacks.progress import StepProgressBar
+        from lit_moe.device_speed import print_note
 
         quiet_lightning()
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
@@ -204,7 +206,9 @@ class Run:
                 not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(StepProgressBar())
         merged["callbacks"] = callbacks
-        return Trainer(**merged)
+        trainer = Trainer(**merged)
+        print_note(self.dtype_note)   # compute_dtype auto, or a slow bfloat16: once everything is valid
+        return trainer
 
 
 # Trainer arguments that the manual optimization step replaces, and the key that does their job.
@@ -274,7 +278,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.module import LitMoE
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
-    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
+    from lit_moe.device_speed import available_accelerator, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.parallel_dims import check_parallel_layout, check_parallelism_keys
 
@@ -406,7 +410,7 @@ def build_run(cfg: Any) -> Run:
     run.callbacks = merge_callbacks(builtin, user)
     run.logger = build_logger(monitor)
     run.explicit_trainer_keys = set(_explicit_trainer_keys())
-    print_note(dtype_note)   # compute_dtype auto, or a slow bfloat16: once everything is valid
+    run.dtype_note = dtype_note
     return run
 
 
