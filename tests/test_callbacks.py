@@ -524,7 +524,7 @@ def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch, capsys):
     callback = ThroughputMFU(flops_per_token=1e6, compute_dtype=torch.float32)
     run(FakeLitMoE(steps=1, step_time=0.25), [callback])
     assert asked == [torch.float32] and callback.peak_flops == 4e11
-    assert "MFU peak: 0.4 TFLOP/s per device (measured float32 matmul rate on cpu)" in capsys.readouterr().out
+    assert "MFU peak: 400.0 GFLOP/s per device (measured float32 matmul rate on cpu)" in capsys.readouterr().out
 
 
 def test_throughput_feeds_console_line(capsys):

@@ -153,7 +153,9 @@ class ThroughputMFU(Callback):
         if self.flops_per_token and self.peak_flops is None:
             self.peak_flops, self.peak_source = peak_flops_for(pl_module.device, self.compute_dtype)
             if trainer.is_global_zero:
-                emit(f"MFU peak: {self.peak_flops / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
+                rate = (f"{self.peak_flops / 1e12:.1f} TFLOP/s" if self.peak_flops >= 1e12
+                        else f"{self.peak_flops / 1e9:.1f} GFLOP/s")   # a CPU without native bf16: ~20-100
+                emit(f"MFU peak: {rate} per device ({self.peak_source})")
 
     def perf(self, trainer: Any, m: StepMetrics) -> dict[str, float]:
         """``step_time``, ``tokens_per_sec``, ``tokens_per_sec_per_device`` and, with FLOPs per token,
