@@ -55,8 +55,9 @@ def matmul_rate(device: torch.device | str, dtype: torch.dtype, budget_s: float,
     Starts at ``START_N`` (a warm-up matmul, then timed ones) and doubles the size while the next
     size's warm-up and first timed matmul (16x the last one's time) fit the time left, up to
     ``max_n`` (default 2048 on a CPU, 8192 on an accelerator); stops after ``repeats`` timed matmuls
-    at the largest size or when the budget is spent. The only overrun is the first two ``START_N``
-    matmuls on a device too slow for even those."""
+    at the largest size or when the budget is spent. On a device whose speed holds steady the only
+    overrun is the first two ``START_N`` matmuls on a device too slow for even those (on a loaded
+    machine, the last matmul taking longer than the one before: measured 7% at load average 18)."""
     device = torch.device(device)
     max_n = max_n or (2048 if device.type == "cpu" else 8192)
     deadline = time.perf_counter() + budget_s
