@@ -14,20 +14,22 @@ What is timed
   LR schedule, expert-bias update, step metrics), the ``AscendFSDPStrategy``, the Megatron mock-data
   DataModule (``num_parallel_workers: 0``: fetching the batch is inside the timed step) and every
   built-in callback (skip guard, throughput, MoE metrics, step logger; TensorBoard off). fp32
-  parameters (master weights), bf16 ``compute_dtype``, AdamW, ``max_norm: 1.0``. The one addition is a
+  parameters (master weights), ``compute_dtype`` bf16 where the device runs it natively and fp32
+  elsewhere (``auto``, resolved once by the coordinator and given to every side), AdamW, ``max_norm: 1.0``. The one addition is a
   user callback (``TurnTaking``, listed in the YAML ``callbacks:`` as users add theirs) that ends a
   timed step at ``on_train_batch_end`` and waits for its turn before the next batch is fetched.
 * **transformers**: ``DeepseekV3ForCausalLM`` loaded in fp32 from the same weights (the lit_moe model
   initialised from the run seed, written with ``save_pretrained``), trained by a plain loop:
-  ``torch.autocast(bf16)`` forward with ``labels``, backward, ``clip_grad_norm_(1.0)``,
+  ``torch.autocast(bf16)`` forward with ``labels`` (no autocast when the compute dtype is fp32), backward, ``clip_grad_norm_(1.0)``,
   ``torch.optim.AdamW`` (same hyper-parameters, torch's default implementation), ``zero_grad``; the loss
   is read back every step. Attention and experts implementations are transformers' defaults (printed).
 
 Every side runs in its own process (so each one's memory is its own) and they take turns step by
 step: the coordinator sends "go" to one, waits for its step, then the next, reversing the order every
-round, so a change of load on a shared machine hits all alike. After every round the coordinator times
-a bf16 GEMM (``n x n @ n x n``) while the workers wait: the best of those is this machine's measured
-bf16 GEMM peak. Threads: ``--threads`` (default: all cores) in every worker (``torch.set_num_threads``
+round, so a change of load on a shared machine hits all alike. First the coordinator prints the
+device's bf16 and fp32 matmul rates (``lit_moe.device_speed``) and the compute dtype they decide;
+after every round it times a GEMM (``n x n @ n x n``) in the compute dtype while the workers wait:
+the best of those is this machine's measured GEMM peak. Threads: ``--threads`` (default: all cores) in every worker (``torch.set_num_threads``
 and ``OMP_NUM_THREADS``) and in the coordinator.
 
 Reported
@@ -96,11 +98,12 @@ TINY_MODEL = dict(
     v_head_dim=16, n_routed_experts=4, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
     moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, num_nextn_predict_layers=0,
 )
-# What every preset shares: DeepSeek-V3's routing and dtypes (fp32 master weights, bf16 compute).
+# What every preset shares: DeepSeek-V3's routing and dtypes (fp32 master weights; compute in bf16 where
+# it is native, else fp32: "auto", resolved once in main() so that both sides run the same dtype).
 COMMON_MODEL = dict(
     model_type="deepseek_v3", hidden_act="silu", rms_norm_eps=1e-6, use_flash_attention=True,
     multi_latent_attention=True, qk_layernorm=True, add_bias_linear=False,
-    params_dtype="float32", compute_dtype="bfloat16", layernorm_compute_dtype="float32",
+    params_dtype="float32", compute_dtype="auto", layernorm_compute_dtype="float32",
     softmax_compute_dtype="float32", rotary_dtype="float32", router_dense_type="float32",
     initializer_range=0.02, position_embedding_type="rope", rope_theta=10000, max_position_embeddings=8192,
     scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, moe_grouped_gemm=True,
@@ -432,7 +435,8 @@ def hf_worker(spec: dict, side: str, fd: int) -> int:
             memory.start(training_state_bytes(model, opt))
         t0 = time.perf_counter()
         ids = batches[step % len(batches)]
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                            enabled=spec["compute_dtype"] == "bfloat16"):
             out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -543,15 +547,16 @@ def dist_worker(spec: dict) -> int:
 # coordinator
 # ------------------------------------------------------------------------------------------------
 class GemmPeak:
-    """Best bf16 ``n x n @ n x n`` rate seen in this run (FLOP/s)."""
+    """Best ``n x n @ n x n`` rate in the compute dtype seen in this run (FLOP/s)."""
 
-    def __init__(self, device: str, n: int):
+    def __init__(self, device: str, n: int, dtype: str = "bfloat16"):
         import torch
 
         self.device = torch.device(device)
+        self.dtype = dtype
         gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(n, n, generator=gen).to(self.device, torch.bfloat16)
-        self.b = torch.randn(n, n, generator=gen).to(self.device, torch.bfloat16)
+        self.a = torch.randn(n, n, generator=gen).to(self.device, getattr(torch, dtype))
+        self.b = torch.randn(n, n, generator=gen).to(self.device, getattr(torch, dtype))
         self.n = n
         self.samples: list[float] = []
 
@@ -743,7 +748,7 @@ def report(args, spec: dict, raw: dict, gemm: GemmPeak, fpt: float, acc_peak: Op
     cpu = spec["device"] == "cpu"
     ok = {n: r for n, r in raw.items() if "error" not in r and len(r["times"]) > warmup}
     peak = gemm.best
-    print(f"   measured bf16 GEMM peak ({gemm.n}^3): {peak / 1e9:,.1f} GFLOP/s (best of {len(gemm.samples)}; "
+    print(f"   measured {gemm.dtype} GEMM peak ({gemm.n}^3): {peak / 1e9:,.1f} GFLOP/s (best of {len(gemm.samples)}; "
           f"median {statistics.median(gemm.samples) / 1e9:,.1f})"
           + (f"; datasheet bf16 peak: {acc_peak / 1e12:,.0f} TFLOP/s" if acc_peak else ""))
     header = f"\n   {'':22s}{'median step':>12s}{'best step':>11s}{'tokens/s':>11s}{'MFU':>8s}{'MFU best':>10s}"
@@ -878,6 +883,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.sizing import flops_per_token, param_counts
 
+    from lit_moe.device_speed import bf16_check, matmul_rate, resolve_compute_dtype
+
+    # the device's matmul rates, and the compute dtype both sides use (auto: the fast one here)
+    rates = {name: matmul_rate(device, getattr(torch, name), 0.5, max_n=512) for name in ("bfloat16", "float32")}
+    requested = model_section(preset, seq, model_overrides)["compute_dtype"]
+    compute_dtype, dtype_line = resolve_compute_dtype(requested, device)
+    # canonical spelling (bf16 → bfloat16): the transformers side and the GEMM peak read it
+    compute_dtype = str(DeepseekV3Config(compute_dtype=compute_dtype).torch_dtype("compute_dtype")).replace("torch.", "")
+    model_overrides["compute_dtype"] = compute_dtype
     config = DeepseekV3Config(**model_section(preset, seq, model_overrides))
     fpt = flops_per_token(config, seq)
     counts = param_counts(config)
@@ -902,7 +916,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     print(f"   model: {counts.total / 1e6:.1f}M parameters ({counts.active / 1e6:.1f}M active per token), "
           f"{fpt / 1e6:.1f} MFLOP per token (training); sides: {', '.join(sides)}")
-    if model_overrides or optimizer_overrides:
+    check = bf16_check(device)
+    print(f"   matmul rates (512^3 and below, best within 0.5 s): bf16 {rates['bfloat16'] / 1e9:,.1f} GFLOP/s, fp32 "
+          f"{rates['float32'] / 1e9:,.1f} GFLOP/s (bf16/fp32 {rates['bfloat16'] / rates['float32']:.3g}x); bf16 native: "
+          f"{check.native} ({check.evidence()}); compute dtype {requested} → {compute_dtype} on both sides"
+          + (f"\n   {dtype_line}" if dtype_line and requested != "auto" else ""))
+    if set(model_overrides) - {"compute_dtype"} or optimizer_overrides:
         print(f"   lit_moe overrides: model {model_overrides}, optimizer {optimizer_overrides}")
 
     if args.work_dir:
@@ -910,6 +929,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.keep = True
     work = tempfile.mkdtemp(prefix="lit_moe_bench_", dir=args.work_dir)
     results: dict[str, Any] = {"preset": preset, "device": device, "batch": batch, "seq": seq,
+                               "compute_dtype": compute_dtype, "matmul_flops": rates,
                                "threads": args.threads, "steps": steps, "warmup": warmup,
                                "flops_per_token": fpt, "torch": torch.__version__, "transformers": hf_version,
                                "model_overrides": model_overrides, "optimizer_overrides": optimizer_overrides}
@@ -919,11 +939,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the checkpoint for transformers lives apart from the work directory (large; never kept)
         hf_dir = tempfile.mkdtemp(prefix="lit_moe_bench_hf_")
         spec = {"preset": preset, "device": device, "batch": batch, "seq": seq, "rounds": warmup + steps,
+                "compute_dtype": compute_dtype,
                 "warmup": warmup, "work_dir": work, "hf_dir": hf_dir, "sides": sides,
                 "model_overrides": model_overrides, "optimizer_overrides": optimizer_overrides}
         if not args.skip_hf:
             write_hf_checkpoint(model_section(preset, seq, model_overrides), spec["hf_dir"])
-        gemm = GemmPeak(device, PRESETS[preset]["gemm_n"])
+        gemm = GemmPeak(device, PRESETS[preset]["gemm_n"], compute_dtype)
         gemm.measure(5)
         raw = run_rounds(args, spec, work, gemm)
         gemm.measure(5)

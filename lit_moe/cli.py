@@ -152,6 +152,7 @@ class Run:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        self.dtype_note: Optional[str] = None   # the compute-dtype line, printed with the trainer
 
     def make_trainer(self, trainer_cfg: dict[str, Any]):
         from lightning.pytorch import Trainer
@@ -160,6 +161,7 @@ class Run:
         from lit_moe.callbacks.console import RunSummary, console_is_terminal, quiet_lightning
         from lit_moe.callbacks.loggers import combine_loggers
         from lit_moe.callbacks.progress import StepProgressBar
+        from lit_moe.device_speed import print_note
 
         quiet_lightning()
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
@@ -214,6 +216,7 @@ class Run:
 
         if any(isinstance(cb, Preemption) for cb in callbacks):
             use_preemption_agreement(trainer)
+        print_note(self.dtype_note)   # compute_dtype auto, or a slow bfloat16: once everything is valid
         return trainer
 
 
@@ -296,6 +299,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.name_keys import check_name_keys
     from lit_moe.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
+    from lit_moe.device_speed import available_accelerator, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.plan import check_layout
 
@@ -318,7 +322,15 @@ def build_run(cfg: Any) -> Run:
     _check_training(training)
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
+    accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator == "auto":
+        accelerator = available_accelerator()
+    else:
+        _check_accelerator_available(accelerator)
+    model_section, dtype_note = resolve_model_section(read_pynative_model_section(model_section), accelerator)
+    model_config = DeepseekV3Config(**model_section)
 
     seq_length = _dataset_seq_length(train_dataset, model_config)
     from lit_moe.model.config_parsing import check_document_mask_data
@@ -370,14 +382,6 @@ def build_run(cfg: Any) -> Run:
 
     from lit_moe.strategies.plan import check_fits
 
-    accelerator = _accelerator_from_context(context) or str(trainer_section.get("accelerator") or "auto")
-    if accelerator == "gpu":
-        accelerator = "cuda"
-    if accelerator == "auto":  # what Lightning's "auto" picks: an available accelerator, else the CPU
-        accelerator = next((name for name in ("cuda", "npu")
-                            if getattr(getattr(torch, name, None), "is_available", lambda: False)()), "cpu")
-    else:
-        _check_accelerator_available(accelerator)
     local_processes = run.launch.devices
     check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
                local_processes)
@@ -427,6 +431,7 @@ def build_run(cfg: Any) -> Run:
     run.callbacks = merge_callbacks(builtin, user)
     run.logger = build_logger(monitor)
     run.explicit_trainer_keys = set(_explicit_trainer_keys())
+    run.dtype_note = dtype_note
     return run
 
 

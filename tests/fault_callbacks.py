@@ -15,6 +15,8 @@ import time
 
 from lightning.pytorch import Callback
 
+from lit_moe.callbacks import ThroughputMFU
+
 
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -201,3 +203,17 @@ class SlowWriter(Callback):
                 return real(*args, **kwargs)
 
             iteration.write_pieces = slow
+
+
+class SignalDuringPeakProbe(ThroughputMFU):
+    """The built-in throughput callback (it replaces it in place), sending ``signum`` to this process
+    just before its MFU peak probe: a signal during start-up, after Lightning's handlers exist and
+    before training starts."""
+
+    def __init__(self, signum: int = 15, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.signum = signum
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        os.kill(os.getpid(), self.signum)
+        super().on_train_start(trainer, pl_module)

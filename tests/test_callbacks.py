@@ -503,16 +503,28 @@ def test_known_peaks(name, peak):
 def test_cpu_peak_is_measured_once():
     from lit_moe.callbacks import measure_matmul_peak
 
-    first = measure_matmul_peak("cpu")
+    # fp32: this test's time does not depend on whether the CPU has native bf16
+    first = measure_matmul_peak("cpu", torch.float32)
     start = time.perf_counter()
-    assert measure_matmul_peak("cpu") == first and time.perf_counter() - start < 0.01
+    assert measure_matmul_peak("cpu", torch.float32) == first and time.perf_counter() - start < 0.01
     # plausibility against an independent timing of the same GEMM size
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
+    a = torch.randn(1024, 1024, dtype=torch.float32)
     a @ a
     t = time.perf_counter()
     a @ a
     independent = 2 * 1024 ** 3 / (time.perf_counter() - t)
     assert independent / 20 < first < independent * 20
+
+
+def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch, capsys):
+    from lit_moe.callbacks import throughput
+
+    asked = []
+    monkeypatch.setattr(throughput, "measure_matmul_peak", lambda device, dtype: asked.append(dtype) or 4e11)
+    callback = ThroughputMFU(flops_per_token=1e6, compute_dtype=torch.float32)
+    run(FakeLitMoE(steps=1, step_time=0.25), [callback])
+    assert asked == [torch.float32] and callback.peak_flops == 4e11
+    assert "MFU peak: 400.0 GFLOP/s per device (measured float32 matmul rate on cpu)" in capsys.readouterr().out
 
 
 def test_throughput_feeds_console_line(capsys):

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # graph must still have no cycle.
 LAYERS = [
     ["lit_moe", "lit_moe.config", "lit_moe.config_file", "lit_moe.tool_errors", "lit_moe.step",
-     "lit_moe.distributed", "lit_moe.elastic", "lit_moe.launch", "lit_moe.peers", "lit_moe.preemption"],
+     "lit_moe.distributed", "lit_moe.elastic", "lit_moe.launch", "lit_moe.peers", "lit_moe.preemption",
+     "lit_moe.device_speed"],
     ["lit_moe.ops"],
     ["lit_moe.model"],
     ["lit_moe.data", "lit_moe.optim", "lit_moe.schedules", "lit_moe.lora"],

@@ -106,6 +106,18 @@ def test_sigterm_mid_step_saves_that_step_and_exits_143(chain):
     assert "iteration_00000003" in chain["after_sigterm"] and "Traceback" not in proc.stderr
 
 
+def test_sigterm_during_the_peak_probe_stops_at_once_with_143(tmp_path):
+    """A SIGTERM that arrives while the run starts (here: as the MFU peak probe begins, after
+    Lightning's handlers exist) is obeyed at once: exit 143, nothing saved (Lightning alone would
+    have run to the end of the epoch and exited 0)."""
+    cfg = config(tmp_path, "startup.yaml", callbacks=[("SignalDuringPeakProbe", {"flops_per_token": 1.0e6})])
+    proc = fit(tmp_path, cfg)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "received SIGTERM while the run starts: stopping now" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "ckpt").glob("iteration_*"))
+
+
 def test_relaunch_auto_resumes_and_continues_bit_for_bit(chain):
     crash, resumed = chain["crash"], chain["resumed"]
     assert "resuming from" in crash.stderr and "iteration_00000003, step 3" in crash.stderr, crash.stderr[-2000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch import Callback
 
 from lit_moe.callbacks._common import emit
@@ -78,7 +79,9 @@ def build_callbacks(monitor: Any, profiler: Any, context: Any, model_config: Any
         embedding_local_norm_threshold=hc.embedding_local_norm_threshold, report_interval=log_interval))
 
     callbacks.append(ThroughputMFU(flops_per_token=_flops_per_token(model_config, seq_length),
-                                   peak_flops=peak_flops, log_interval=log_interval))
+                                   peak_flops=peak_flops, log_interval=log_interval,
+                                   compute_dtype=(model_config.torch_dtype("compute_dtype") if model_config is not None
+                                                  else torch.bfloat16)))
 
     mm = monitor.moe_monitor
     output_dir = monitor.tensorboard.output_dir

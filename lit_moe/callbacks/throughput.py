@@ -11,15 +11,14 @@ divided by the world size — not multiplied by ``tp × cp`` as Lightning's Thro
 
 MFU = achieved FLOP/s per device / the device's peak dense bf16 FLOP/s. Known peaks are vendor
 datasheet values (the "with sparsity" figures halved); an unknown accelerator or a CPU gets a
-measured bf16 GEMM rate instead (a short timed matmul, once per process), and ``peak_flops``
-overrides either.
+measured GEMM rate in the run's compute dtype instead (timed matmuls within one second, once per
+process: :func:`lit_moe.device_speed.measure_matmul_peak`), and ``peak_flops`` overrides either.
 """
 
 from __future__ import annotations
 
 import os
 import resource
-import time
 from typing import Any, Optional
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
+from lit_moe.device_speed import measure_matmul_peak
 from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.distributed import is_distributed
 from lit_moe.step import StepMetrics
@@ -47,9 +47,6 @@ KNOWN_PEAK_FLOPS: list[tuple[str, float]] = [
     # for the 910B3 and used as the family default; set ``peak_flops`` for your exact part.
     ("ascend910b", 313e12),
 ]
-
-_MEASURED_PEAK: dict[tuple[str, str], float] = {}
-
 
 def _normalise(name: str) -> str:
     return name.lower().replace(" ", "").replace("-", "").replace("_", "")
@@ -76,50 +73,17 @@ def device_name(device: torch.device) -> Optional[str]:
         return None
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cpu":
-        return
-    module = getattr(torch, device.type, None)
-    if module is not None and hasattr(module, "synchronize"):
-        module.synchronize(device)
-    else:
-        torch.accelerator.synchronize(device)
-
-
-def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                        n: Optional[int] = None, repeats: int = 10) -> float:
-    """Best-of-``repeats`` FLOP/s of an ``n × n @ n × n`` matmul on ``device`` (2·n³ FLOPs each).
-    Measured once per (device, dtype) and cached for the process."""
-    device = torch.device(device)
-    key = (str(device), str(dtype))
-    if key in _MEASURED_PEAK:
-        return _MEASURED_PEAK[key]
-    n = n or (2048 if device.type == "cpu" else 8192)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    a @ b  # warm-up (kernel selection, thread-pool start)
-    _synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    _MEASURED_PEAK[key] = 2.0 * n ** 3 / best
-    return _MEASURED_PEAK[key]
-
-
-def peak_flops_for(device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for one device: datasheet when known, else measured."""
+def peak_flops_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device: datasheet when known, else the measured
+    matmul rate in ``dtype`` (the run's compute dtype), within ``device_speed.PEAK_BUDGET_S``."""
     name = device_name(device)
     if name is not None:
         peak = known_peak_flops(name)
         if peak is not None:
             return peak, f"datasheet value for {name}"
-    peak = measure_matmul_peak(device)
+    peak = measure_matmul_peak(device, dtype)
     what = name or device.type
-    return peak, f"measured bf16 matmul rate on {what}"
+    return peak, f"measured {str(dtype).replace('torch.', '')} matmul rate on {what}"
 
 
 def throughput_metrics(tokens: float, step_time: float, world_size: int,
@@ -171,23 +135,27 @@ class ThroughputMFU(Callback):
             TFLOP/s or MFU.
         peak_flops: peak FLOP/s of one device, overriding the datasheet/measured value.
         log_interval: write every N optimizer steps.
+        compute_dtype: the run's compute dtype, in which a CPU's peak is measured.
     """
 
     def __init__(self, flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 log_interval: int = 1) -> None:
+                 log_interval: int = 1, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
             raise ConfigError(f"peak_flops: must be a positive number of FLOP/s, got {peak_flops!r}")
         self.flops_per_token = flops_per_token
         self.peak_flops = float(peak_flops) if peak_flops is not None else None
         self.peak_source = "given" if peak_flops is not None else None
         self.log_interval = check_log_interval(log_interval, "ThroughputMFU.log_interval")
+        self.compute_dtype = compute_dtype
         self._perf: Optional[tuple[int, dict[str, float]]] = None   # (step, its numbers)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.flops_per_token and self.peak_flops is None:
-            self.peak_flops, self.peak_source = peak_flops_for(pl_module.device)
+            self.peak_flops, self.peak_source = peak_flops_for(pl_module.device, self.compute_dtype)
             if trainer.is_global_zero:
-                emit(f"MFU peak: {self.peak_flops / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
+                rate = (f"{self.peak_flops / 1e12:.1f} TFLOP/s" if self.peak_flops >= 1e12
+                        else f"{self.peak_flops / 1e9:.1f} GFLOP/s")   # a CPU without native bf16: ~20-100
+                emit(f"MFU peak: {rate} per device ({self.peak_source})")
 
     def perf(self, trainer: Any, m: StepMetrics) -> dict[str, float]:
         """``step_time``, ``tokens_per_sec``, ``tokens_per_sec_per_device`` and, with FLOPs per token,

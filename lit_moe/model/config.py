@@ -236,7 +236,12 @@ class DeepseekV3Config:
     params_dtype: str = "float32"
     """dtype the parameters are created in (master weights)."""
     compute_dtype: str = "bfloat16"
-    """dtype of activations and matrix multiplies (weights are cast on the fly)."""
+    """dtype of activations and matrix multiplies (weights are cast on the fly). ``auto`` (lit_moe's
+    value; ``fit`` and ``plan`` resolve it for the run's device and print what it became, a config
+    built in Python resolves it for this machine's default device): ``bfloat16`` where
+    bf16 is native (GPUs, Ascend NPUs, CPUs with AMX or AVX512-BF16), ``float32`` elsewhere (CPUs
+    with AVX2 only, where torch's bf16 matmuls run 30-200x slower than fp32). An explicit
+    ``bfloat16`` is kept on such a CPU, with one start-up line giving the measured rates."""
     layernorm_compute_dtype: str = "float32"
     """dtype norms compute in (result cast back)."""
     softmax_compute_dtype: str = "float32"

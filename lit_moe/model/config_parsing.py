@@ -103,8 +103,14 @@ def normalise(cfg: Any) -> None:
     for name in DTYPE_FIELDS:
         value = getattr(cfg, name)
         key = str(value).replace("torch.", "").lower()
+        if key == "auto" and name == "compute_dtype":
+            # a run resolves it for its accelerator first (and prints the line); elsewhere: this machine's
+            from lit_moe.device_speed import available_accelerator, resolve_compute_dtype
+
+            key = resolve_compute_dtype("auto", available_accelerator())[0]
         if key not in _DTYPES:
-            raise ConfigError(f"model.{name}: unknown dtype {value!r}; supported: float32, bfloat16, float16")
+            raise ConfigError(f"model.{name}: unknown dtype {value!r}; supported: float32, bfloat16, float16"
+                              + (", auto" if name == "compute_dtype" else ""))
         set_(name, str(_DTYPES[key]).replace("torch.", ""))
     if cfg.window_size is not None:
         set_("window_size", parse_window(cfg.window_size))

@@ -149,6 +149,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     out = sys.stdout if out is None else out
 
+    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
@@ -165,7 +166,10 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     model_section = _section(data, "model")
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
-    model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
+    # compute_dtype auto: what a run on this machine would use
+    model_section, dtype_note = resolve_model_section(read_pynative_model_section(model_section),
+                                                      available_accelerator())
+    model_config = DeepseekV3Config(**model_section)
     seq_length = _seq_length(data, model_config)
 
     dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
@@ -179,6 +183,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     total = _count(counts, "total")
     active = _count(counts, "active")
+    print_note(dtype_note)
     p = print
     p(f"lit_moe plan: {config_path} on {world_size} ranks", file=out)
     p("layout", file=out)
