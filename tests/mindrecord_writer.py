@@ -171,3 +171,41 @@ def write_mindrecord(path: str, schema: dict, rows: list[dict], header_size: int
             con.execute(f"INSERT INTO INDEXES VALUES ({','.join('?' * len(values))})", values)
     con.commit()
     con.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema and rows of write_with_mindspore.py (same RandomState draws, in the same order).
+SCHEMA = {"input_ids": {"type": "int32", "shape": [-1]}, "labels": {"type": "int32", "shape": [-1]},
+          "loss_mask": {"type": "int32", "shape": [-1]}, "position_ids": {"type": "int32", "shape": [-1]},
+          "attention_mask": {"type": "int32", "shape": [4, 4]}, "actual_seq_len": {"type": "int32", "shape": [-1]},
+          "weights": {"type": "float32", "shape": [-1]}, "big": {"type": "int64", "shape": [2]}, "idx": {"type": "int64"}}
+
+
+def fixture_rows() -> dict[str, list[dict]]:
+    """The rows of ``tests/data/mindrecord/{one,two,ids}`` (``write_with_mindspore.py`` writes these)."""
+    rng = np.random.RandomState(0)
+    S = 16
+
+    def sample(i):
+        ids = rng.randint(0, 129280, size=S + 1).astype(np.int32)
+        ids[3], ids[5], ids[6], ids[7], ids[8] = -1, 127, -129, 40000, -40000
+        ends = np.array([5, 11, S] if i % 2 else [S], dtype=np.int32)
+        return {"input_ids": ids[:-1], "labels": ids[1:].copy(), "loss_mask": (rng.rand(S) > 0.2).astype(np.int32),
+                "position_ids": np.arange(S, dtype=np.int32) % 7,
+                "attention_mask": np.tril(np.ones((4, 4), dtype=np.int32)) * (i + 1),
+                "actual_seq_len": ends, "weights": rng.rand(3).astype(np.float32),
+                "big": np.array([2**40 + i, -(2**33)], dtype=np.int64), "idx": i}
+
+    one = [sample(i) for i in range(7)]
+    two = [sample(i) for i in range(11)]       # split over two shards by MindSpore at random
+    ids = [{"input_ids": sample(i)["input_ids"]} for i in range(5)]
+    return {"one": one, "two": two, "ids": ids}
+
+
+def big_rows() -> list[dict]:
+    """The rows of ``tests/data/mindrecord/big`` (several pages)."""
+    rng = np.random.RandomState(1)
+    S = 300
+    return [{"input_ids": rng.randint(-5, 200000, size=S).astype(np.int32),
+             "labels": rng.randint(0, 300, size=S).astype(np.int32), "loss_mask": np.ones(S, np.int32),
+             "position_ids": np.arange(S, dtype=np.int32)} for _ in range(40)]
