@@ -93,8 +93,8 @@ def parse_mind_dataset(section: dict, seq_length: Optional[int]) -> MindDatasetS
         warnings.warn(f"{FIELD}.shuffle: true (MindSpore's default when not given) shuffles with lit_moe's "
                       "permutation seeded by training.seed, not in MindSpore's random order; shuffle: false reads "
                       "the samples in MindSpore's order", stacklevel=3)
-    return MindDatasetSpec(dataset_files=section["dataset_files"], column_names=None if columns is None else list(columns),
-                           seq_length=seq_length, shuffle=shuffle,
+    return MindDatasetSpec(dataset_files=section["dataset_files"],
+                           column_names=None if columns is None else list(columns), seq_length=seq_length, shuffle=shuffle,
                            python_multiprocessing=section.get("python_multiprocessing", False))
 
 

@@ -12,7 +12,8 @@ layout, as MindSpore's C++ writer produces it (``mindspore/ccsrc/minddata/mindre
   ``schema[0].blob_fields`` lists the columns kept in blob pages, in that order.
 * raw page, one row: per schema an 8-byte little-endian length, then that many bytes of MessagePack
   holding the row's scalar columns (``ShardWriter::FlushRawChunk``; ``json::to_msgpack`` in
-  ``FillArray``); one schema per file (``kMaxSchemaCount = 1``). A row without scalar columns gets the dummy ``{"id": 0}`` (``kDummyId``).
+  ``FillArray``); one schema per file (``kMaxSchemaCount = 1``). A row without scalar columns gets
+  the dummy ``{"id": 0}`` (``kDummyId``).
 * blob page, one row: an 8-byte little-endian length, then the row's blob (``FlushBlobChunk``). With
   one blob column the blob is that column's bytes; with several, each is an 8-byte big-endian length
   and the bytes, in ``blob_fields`` order (``ShardWriter::MergeBlobData``).
@@ -24,7 +25,8 @@ layout, as MindSpore's C++ writer produces it (``mindspore/ccsrc/minddata/mindre
   ``BytesLittleToMinIntType`` in ``meta/shard_column.cc``). Other columns are stored as their bytes.
 * index ``X.db``: table ``INDEXES`` with one row per sample: ``ROW_ID`` (order within the shard),
   ``PAGE_ID_RAW``, ``PAGE_OFFSET_RAW`` (where the row's length starts), ``PAGE_OFFSET_RAW_END`` (where
-  its MessagePack ends: the offset advances by 8 + length per schema), ``PAGE_ID_BLOB``, ``PAGE_OFFSET_BLOB`` (where the blob's 8-byte length
+  its MessagePack ends: the offset advances by 8 + length per schema), ``PAGE_ID_BLOB``,
+  ``PAGE_OFFSET_BLOB`` (where the blob's 8-byte length
   starts), ``PAGE_OFFSET_BLOB_END`` (where the blob ends) (``ShardIndexGenerator::CreateDatabase``,
   ``GenerateRowData`` and ``AddBlobPageInfo`` in ``io/shard_index_generator.cc``).
 
@@ -105,7 +107,8 @@ class MindRecordShard:
         except (UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError):
             raise MindRecordError(f"{path}: the header is not MindRecord's JSON header") from None
         if version not in _SUPPORTED_VERSIONS:
-            raise MindRecordError(f"{path}: MindRecord version {version!r}; supported: {', '.join(_SUPPORTED_VERSIONS)}")
+            raise MindRecordError(f"{path}: MindRecord version {version!r}; supported: "
+                                  + ", ".join(_SUPPORTED_VERSIONS))
         for name, spec in self.columns.items():
             if spec.get("type") not in _NUMPY_TYPES and spec.get("type") != "string":
                 raise MindRecordError(f"{path}: column {name!r} has type {spec.get('type')!r}; MindRecord types are "
@@ -122,8 +125,8 @@ class MindRecordShard:
         try:
             con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
             try:
-                rows = con.execute("SELECT PAGE_ID_RAW, PAGE_OFFSET_RAW, PAGE_OFFSET_RAW_END, PAGE_ID_BLOB, PAGE_OFFSET_BLOB, "
-                                   "PAGE_OFFSET_BLOB_END FROM INDEXES ORDER BY ROW_ID").fetchall()
+                rows = con.execute("SELECT PAGE_ID_RAW, PAGE_OFFSET_RAW, PAGE_OFFSET_RAW_END, PAGE_ID_BLOB, "
+                                   "PAGE_OFFSET_BLOB, PAGE_OFFSET_BLOB_END FROM INDEXES ORDER BY ROW_ID").fetchall()
             finally:
                 con.close()
         except sqlite3.Error as err:
