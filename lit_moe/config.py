@@ -258,7 +258,8 @@ class TrainDatasetConfig:
     dataloader: dict[str, Any] = field(default_factory=dict)
     """The dataset: ``type: BlendedMegatronDatasetDataLoader``, ``datasets_type: GPTDataset``,
     ``sizes``, ``config`` (GPTDataset keys), ``column_names``, ``shuffle``, ``python_multiprocessing``.
-    Extra keys are allowed."""
+    Extra keys are allowed. Or ``type: MindDataset`` with ``dataset_files`` (MindRecord files or
+    directories), ``column_names``, ``shuffle``, ``python_multiprocessing`` (see "MindRecord data")."""
     drop_remainder: bool = True
     """Drop the last incomplete micro-batch."""
     num_parallel_workers: int = 8

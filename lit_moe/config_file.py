@@ -42,9 +42,12 @@ _FLOAT_1_2 = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """``SafeLoader`` that refuses a key repeated within one mapping and reads YAML 1.2 floats."""
+    """``SafeLoader`` that refuses a key repeated within one mapping (or, with ``repeated`` a list, records
+    ``(key, first line, line)`` there and keeps the last value, as PyYAML and so MindFormers do), and
+    reads YAML 1.2 floats."""
 
     source = "<string>"
+    repeated: Optional[list] = None
     # Own copy of the resolvers, float resolved after int (ints still resolve as ints).
     yaml_implicit_resolvers = {key: [(tag, rx) for tag, rx in value if tag != "tag:yaml.org,2002:float"]
                                for key, value in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -62,7 +65,9 @@ class _StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key; SafeLoader reports it
                     continue
                 seen.setdefault(key, line)
-                if first is not None:
+                if first is not None and self.repeated is not None:
+                    self.repeated.append((key, first, line))
+                elif first is not None:
                     raise ConfigError(f"{self.source}: key {key!r} is given twice in one mapping (lines {first} "
                                       f"and {line}); keep one")
         return super().construct_mapping(node, deep=deep)
@@ -108,10 +113,12 @@ def _check_expansion(root: yaml.Node, source: str) -> None:
     visit(root)
 
 
-def parse_yaml(text: str, source: str) -> Any:
-    """The value of one YAML document, with the checks of this module. ``source`` names it in errors."""
+def parse_yaml(text: str, source: str, repeated: Optional[list] = None) -> Any:
+    """The value of one YAML document, with the checks of this module. ``source`` names it in errors;
+    ``repeated`` (a list) collects repeated keys instead of refusing them (see :class:`_StrictLoader`)."""
     loader = _StrictLoader(text)
     loader.source = source
+    loader.repeated = repeated
     try:
         node = loader.get_single_node()
         if node is None:
@@ -148,9 +155,10 @@ def read_text(path: str, field: str) -> str:
                           f"{err.start})") from None
 
 
-def load_yaml(path: str, field: str = "--config") -> dict:
-    """Read a YAML file holding a mapping (a pynative.yaml or graph.yaml); an empty file is ``{}``."""
-    data = parse_yaml(read_text(path, field), f"{field} {path}")
+def load_yaml(path: str, field: str = "--config", repeated: Optional[list] = None) -> dict:
+    """Read a YAML file holding a mapping (a pynative.yaml or graph.yaml); an empty file is ``{}``.
+    ``repeated``: see :func:`parse_yaml`."""
+    data = parse_yaml(read_text(path, field), f"{field} {path}", repeated)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -79,9 +81,48 @@ class GraphOnlyKeysWarning(UserWarning):
 # Graph-mode optimizers that are AdamW with fp32 states (MindFormers' registry names).
 _ADAMW_FAMILY = ("AdamW", "AdamWeightDecay", "FusedAdamWeightDecay", "FP32StateAdamWeightDecay",
                  "AdamWeightDecayX")
-# Keys of model.model_config that only graph mode reads (seed appendix).
-_GRAPH_ONLY_MODEL_KEYS = ("use_attn_mask_compression", "apply_rope_fusion", "bias_swiglu_fusion",
-                          "use_fused_ops_topkrouter", "type")
+# Keys of model.model_config (and of the config.json of pretrained_model_dir) with no meaning for
+# training here: dropped, each with a note giving the reason.
+_INFERENCE = "inference only (KV cache, decoding, quantized serving); lit_moe has no predict path yet"
+_GRAPH = "a MindSpore graph-mode compilation / fused-kernel switch; lit_moe's kernels need no switch"
+_LAYOUT = ("how MindSpore fuses weight tensors in its checkpoints; lit_moe keeps the Hugging Face layout "
+           "(convert weights with the checkpoint converters)")
+_REGISTRATION = "MindFormers class registration; lit_moe builds DeepseekV3ForCausalLM"
+_DROPPED_MODEL_KEYS = {
+    **dict.fromkeys(("block_size", "num_blocks", "use_past", "use_past_shard", "is_dynamic", "max_decode_length",
+                     "top_k", "top_p", "do_sample", "repetition_penalty", "batch_size", "checkpoint_name_or_path",
+                     "quantization_config", "npu_nums_per_device", "pretrain_seqlen", "use_cache"), _INFERENCE),
+    **dict.fromkeys(("input_sliced_sig", "use_fused_mla", "bias_swiglu_fusion", "use_fused_ops_topkrouter",
+                     "use_attn_mask_compression", "apply_rope_fusion", "moe_router_fusion"), _GRAPH),
+    **dict.fromkeys(("qkv_concat", "ffn_concat", "use_contiguous_weight_layout_attention",
+                     "use_interleaved_weight_layout_mlp"), _LAYOUT),
+    **dict.fromkeys(("auto_register", "type", "auto_map"), _REGISTRATION),
+}
+# Legacy MindFormers model_config names (research/ and older configs) → lit_moe's model keys.
+_LEGACY_MODEL_NAMES = {
+    "num_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "param_init_type": "params_dtype",
+    "layernorm_compute_type": "layernorm_compute_dtype", "softmax_compute_type": "softmax_compute_dtype",
+    "theta": "rope_theta", "hidden_dropout_prob": "hidden_dropout", "attention_dropout_prob": "attention_dropout",
+    "num_experts": "n_routed_experts", "router_aux_loss_coef": "moe_aux_loss_coeff", "sigma": "initializer_range",
+}
+# Keys with a training meaning lit_moe implements only at one value (MindFormers' default): that value
+# is dropped with a note, any other is refused by name.
+_FIXED_MODEL_KEYS = {
+    "ignore_token_id": ((-100,), "the label id the loss ignores is -100"),
+    "embed_dropout_prob": ((0, 0.0), "there is no embedding dropout"),
+    "fp32_residual_connection": ((False,), "the residual stream stays in compute_dtype"),
+    "moe_router_pre_softmax": ((False,), "routing scores are normalised after the top-k choice (DeepSeek-V3)"),
+    "moe_router_force_expert_balance": ((False,), "tokens are routed by score"),
+    "moe_z_loss_coeff": ((None, 0, 0.0), "there is no router z-loss"),
+    "mean": ((0, 0.0), "weights are initialised with mean 0"),
+    "res_dtype": ((None,), "the residual stream stays in compute_dtype"),
+}
+# Architectures lit_moe builds (model_type / architectures / legacy model.arch.type).
+_DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_mtp", "DeepseekV3Config")
+# trainer.model_name families of other architectures (MindFormers builds that model without an
+# architectures / model_type key).
+_OTHER_FAMILIES = ("qwen", "glm", "telechat", "llama", "mixtral", "baichuan", "internlm")
+
 # Keys of model.model_config that place layers on pipeline stages (read by ``parallelism``; dropped
 # without pipeline stages, where graph mode ignores them too).
 _PIPELINE_MODEL_KEYS = ("offset", "pp_interleave_num")
@@ -312,12 +353,15 @@ def _leftovers(prefix: str, section: dict, used: set[str], out: list[str]) -> No
 
 
 class _Converter:
-    def __init__(self, graph: dict, world_size: Optional[int], steps: Optional[int]):
+    def __init__(self, graph: dict, world_size: Optional[int], steps: Optional[int],
+                 pretrained_dir: Optional[str] = None):
         if not isinstance(graph, dict):
             raise ConfigError(f"graph config: expected a mapping of sections, got {type(graph).__name__}")
         self.g = graph
         self.world_size = world_size
         self.steps_override = steps
+        self.pretrained_dir = pretrained_dir
+        self.predict = graph.get("run_mode") == "predict"
         self.out: dict[str, Any] = {}
         self.dropped: list[str] = []
         self.notes: list[str] = []
@@ -334,19 +378,72 @@ class _Converter:
 
     # -- pieces ---------------------------------------------------------------------------------
     def run(self) -> Conversion:
-        model = self.model()
+        model = self.model()       # first: another architecture is refused before any other key
+        self.top_level()
         parallel = self.parallelism(model)
         training = self.training(parallel)
         self.check_pipeline(model, parallel, training)
         self.optimizer()
-        self.lr_scheduler(training["steps"])
+        self.lr_scheduler(training.get("steps"))
         self.recompute(model)
         self.train_dataset()
         self.context()
+        self.callbacks()
         # Whatever is left at the top level has no PyNative meaning.
         self.dropped.extend(k for k in self.g if k not in self.used_top)
         ordered = {k: self.out[k] for k in _PYNATIVE_ORDER if k in self.out}
         return Conversion(ordered, self.dropped, self.notes)
+
+    def top_level(self) -> None:
+        """Top-level keys with a training meaning (or a reason worth a note)."""
+        g = self.g
+        self.used_top.update(k for k in ("run_mode", "remove_redundancy", "load_checkpoint", "layer_scale",
+                                         "layer_decay", "lr_scale_factor", "grouped_lr_schedule") if k in g)
+        if self.predict:
+            self.notes.append("run_mode 'predict': lit_moe has no predict path yet; what trains (model, layout) is "
+                              "converted and the inference keys are dropped; add optimizer, lr_scheduler, train_dataset "
+                              "and training.steps to train this model")
+        elif "run_mode" in g:
+            self.drop("run_mode", f"{g['run_mode']!r}: `lit_moe fit` trains (fine-tuning is checkpoint.no_load_optim)")
+        if g.get("grouped_lr_schedule"):
+            raise ConfigError("grouped_lr_schedule: per-parameter-group learning-rate schedules are not implemented yet; "
+                              "remove it to train every parameter on lr_schedule")
+        if g.get("layer_scale"):
+            raise ConfigError("layer_scale: True (layer-wise learning-rate decay) is not implemented yet")
+        for key in ("layer_scale", "layer_decay", "lr_scale_factor"):
+            if key in g:
+                self.drop(key, "layer-wise learning-rate scaling, off (layer_scale is false)")
+        if "remove_redundancy" in g:
+            self.out.setdefault("checkpoint", {})["remove_redundancy"] = bool(g["remove_redundancy"])
+        if g.get("load_checkpoint"):
+            self.drop("load_checkpoint", f"{g['load_checkpoint']!r} is a MindSpore checkpoint; convert its weights to "
+                      "the Hugging Face layout and set checkpoint.load_path")
+        elif "load_checkpoint" in g:
+            self.dropped.append("load_checkpoint")
+
+    def callbacks(self) -> None:
+        """``CheckpointMonitor`` → ``checkpoint`` (prefix, interval, how many kept, async); the other
+        callbacks are graph mode's (lit_moe's callbacks are on by their config sections)."""
+        callbacks = self.g.get("callbacks")
+        if not isinstance(callbacks, list):
+            return
+        names = {"prefix": "prefix", "save_checkpoint_steps": "save_interleaved_steps",
+                 "keep_checkpoint_max": "save_max", "async_save": "async_save"}
+        for cb in callbacks:
+            if isinstance(cb, dict) and cb.get("type") == "CheckpointMonitor":
+                ckpt = self.out.setdefault("checkpoint", {})
+                for key, value in cb.items():
+                    if key in names:
+                        ckpt[names[key]] = value
+                    elif key != "type":
+                        self.dropped.append(f"callbacks.CheckpointMonitor.{key}")
+                self.notes.append("callbacks.CheckpointMonitor → checkpoint." + ", checkpoint.".join(
+                    names[k] for k in cb if k in names))
+
+    def drop(self, key: str, reason: str) -> None:
+        """A key with no meaning for training here: dropped, with a note saying why."""
+        self.dropped.append(key)
+        self.notes.append(f"{key}: {reason}; dropped")
 
     def model(self) -> dict:
         model_graph = self.section("model")
@@ -355,25 +452,146 @@ class _Converter:
             model_config = {}
         if not isinstance(model_config, dict):
             raise ConfigError(f"model.model_config: expected a mapping, got {model_config!r}")
-        _leftovers("model", model_graph, {"model_config"}, self.dropped)
+        hf = self.pretrained(model_config)
+        self.check_architecture(model_graph, model_config, hf)
+        if "arch" in model_graph:
+            self.drop("model.arch", _REGISTRATION)
+        _leftovers("model", model_graph, {"model_config", "arch"}, self.dropped)
         model: dict[str, Any] = {}
         for key, value in model_config.items():
+            name = f"model.model_config.{key}"
             if key in _PIPELINE_MODEL_KEYS:
                 self.pipeline_keys[key] = value   # read by parallelism(); dropped there without stages
-            elif key in _GRAPH_ONLY_MODEL_KEYS:
-                self.dropped.append(f"model.model_config.{key}")
+            elif key in _DROPPED_MODEL_KEYS:
+                self.drop(name, _DROPPED_MODEL_KEYS[key])
+            elif key in _FIXED_MODEL_KEYS:
+                allowed, meaning = _FIXED_MODEL_KEYS[key]
+                if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+                    raise ConfigError(f"{name}: {value!r} is not implemented yet (in lit_moe {meaning})")
+                self.drop(name, f"{value!r} is what lit_moe does ({meaning})")
+            elif key == "multiple_of":
+                if "intermediate_size" not in model_config and "intermediate_size" not in hf:
+                    raise ConfigError(f"{name}: {value!r} sizes the MLP only when intermediate_size is not given; "
+                                      "set model.model_config.intermediate_size")
+                self.drop(name, "legacy MLP rounding, unused when intermediate_size is given")
             elif key == "moe_token_drop_policy" and not isinstance(value, str):
                 # graph configs write False for "no dropping"; PyNative names a policy or leaves it out
-                self.dropped.append(f"model.model_config.{key}")
+                self.dropped.append(name)
+            elif key == "extend_method":
+                self.extend_method(value, model)
+            elif key == "scaling_factor" and isinstance(value, dict):
+                self.legacy_yarn(value, model)
+            elif key in _LEGACY_MODEL_NAMES:
+                self.set_model_key(model, _LEGACY_MODEL_NAMES[key], value, name)
             elif key == "architectures" and isinstance(value, (list, tuple)) and len(value) == 1:
                 model[key] = value[0]
             elif key in _PYNATIVE_IGNORED_MODEL_KEYS:   # the graph meaning, under the key PyNative reads
                 model[_PYNATIVE_IGNORED_MODEL_KEYS[key]] = value
             else:
-                model[key] = value
+                self.set_model_key(model, key, value, name)
         self.moe_config(model)
+        self.merge_pretrained(model, hf)
         self.out["model"] = model
         return model
+
+    def set_model_key(self, model: dict, key: str, value: Any, source: str) -> None:
+        """``model[key] = value``, refusing two spellings of one key with different values."""
+        aliases = _model_aliases()
+        canonical = aliases.get(key, key)
+        for other, current in model.items():
+            if aliases.get(other, other) == canonical and current != value:
+                raise ConfigError(f"{source}: {value!r} conflicts with {other}: {current!r} (both set {canonical})")
+        model[key] = value
+
+    def extend_method(self, value: Any, model: dict) -> None:
+        """Legacy ``extend_method``: the rotary scaling (``YARN`` → ``position_embedding_type: yarn``)."""
+        name = "model.model_config.extend_method"
+        if value in (None, "None", "NONE"):
+            self.drop(name, "no rotary scaling, lit_moe's default")
+        elif str(value).upper() == "YARN":
+            self.set_model_key(model, "position_embedding_type", "yarn", name)
+        else:
+            raise ConfigError(f"{name}: {value!r} is not implemented yet; supported: 'YARN', 'None'")
+
+    def legacy_yarn(self, value: dict, model: dict) -> None:
+        """Legacy ``scaling_factor: {factor, beta_fast, ...}`` (YaRN parameters) → the flat model keys."""
+        keys = {"factor": "scaling_factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+                "mscale_all_dim": "mscale_all_dim",
+                "original_max_position_embeddings": "original_max_position_embeddings"}
+        for k, v in value.items():
+            if k not in keys:
+                raise ConfigError(f"model.model_config.scaling_factor.{k}: unknown YaRN key; supported: "
+                                  + ", ".join(keys))
+            self.set_model_key(model, keys[k], v, f"model.model_config.scaling_factor.{k}")
+
+    def pretrained(self, model_config: dict) -> dict:
+        """The ``config.json`` of ``pretrained_model_dir`` (or ``--pretrained-model-dir``): MindFormers builds
+        the model from it, ``model.model_config`` overriding its keys. A directory without one is refused
+        when the YAML does not give the model's dimensions itself."""
+        self.used_top.add("pretrained_model_dir")
+        path = self.pretrained_dir or self.g.get("pretrained_model_dir")
+        if not path:
+            return {}
+        path = str(path)
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            if all(k in model_config for k in ("hidden_size", "num_attention_heads")) and any(
+                    k in model_config for k in ("num_hidden_layers", "num_layers")):
+                self.notes.append(f"pretrained_model_dir: {path!r} has no config.json; model.model_config gives the "
+                                  "model's dimensions and is used as it is")
+                return {}
+            if not any(k in model_config for k in ("architectures", "model_type")):
+                self.check_model_name()
+            raise ConfigError(f"pretrained_model_dir: {path!r} has no config.json, and model.model_config does not give "
+                              "the model's dimensions (MindFormers reads them from it); pass --pretrained-model-dir "
+                              "DIR, a Hugging Face model directory")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                hf = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"pretrained_model_dir: {config_file} is not readable JSON ({err})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"pretrained_model_dir: {config_file} is not a JSON object")
+        self.notes.append(f"model: {len(hf)} keys from {config_file}, model.model_config overriding them (MindFormers' "
+                          "pretrained_model_dir)")
+        return hf
+
+    def merge_pretrained(self, model: dict, hf: dict) -> None:
+        aliases = _model_aliases()
+        given = {aliases.get(k, k) for k in model}
+        for key, value in hf.items():
+            if key in _DROPPED_MODEL_KEYS:
+                self.drop(f"pretrained_model_dir config.json {key}", _DROPPED_MODEL_KEYS[key])
+            elif aliases.get(key, key) not in given:
+                model[key] = value
+
+    def check_architecture(self, model_graph: dict, model_config: dict, hf: dict) -> None:
+        """lit_moe builds DeepSeek-V3 only: another architecture is refused here, by name, before any key."""
+        arch = model_graph.get("arch") if isinstance(model_graph.get("arch"), dict) else {}
+        stated = False
+        for name, value in (("model.model_config.architectures", model_config.get("architectures")),
+                            ("model.model_config.model_type", model_config.get("model_type")),
+                            ("model.arch.type", arch.get("type")),
+                            ("model.model_config.type", model_config.get("type")),
+                            ("pretrained_model_dir config.json architectures", hf.get("architectures")),
+                            ("pretrained_model_dir config.json model_type", hf.get("model_type"))):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if v is not None and v not in _DEEPSEEK_V3:
+                    raise ConfigError(f"{name}: {v!r} is not implemented: lit_moe trains DeepSeek-V3-architecture "
+                                      "models (multi-latent attention, DeepseekV3ForCausalLM) only")
+                stated = stated or v is not None
+        if not stated:
+            self.check_model_name()
+
+    def check_model_name(self) -> None:
+        """Without an architecture key MindFormers builds the model ``trainer.model_name`` names."""
+        trainer = self.g.get("trainer")
+        model_name = str(trainer.get("model_name", "")) if isinstance(trainer, dict) else ""
+        if any(family in model_name.lower() for family in _OTHER_FAMILIES):
+            raise ConfigError(f"trainer.model_name: {model_name!r} builds MindFormers' {model_name} model, not DeepSeek-V3 "
+                              "(no architectures or model_type says otherwise); lit_moe trains DeepSeek-V3-architecture "
+                              "models only")
 
     def moe_config(self, model: dict) -> None:
         moe = self.section("moe_config")
@@ -523,8 +741,10 @@ class _Converter:
                                   "micro-batches are accumulated instead")
             accumulation = parallel["micro"]
         global_batch = global_batch_from_accumulation(accumulation, parallel["dp"], local)
-        training: dict[str, Any] = {"steps": self._steps(global_batch, rc), "local_batch_size": local,
-                                    "global_batch_size": global_batch}
+        steps = self._steps(global_batch, rc)
+        training: dict[str, Any] = {"local_batch_size": local, "global_batch_size": global_batch}
+        if steps is not None:
+            training = {"steps": steps, **training}
 
         wrapper = self.section("runner_wrapper")
         _leftovers("runner_wrapper", wrapper, {"use_clip_grad", "max_grad_norm"}, self.dropped)
@@ -543,23 +763,64 @@ class _Converter:
         self.out["training"] = training
         return training
 
-    def _steps(self, global_batch: int, rc: dict) -> int:
+    def _steps(self, global_batch: int, rc: dict) -> Optional[int]:
+        """``lr_schedule.total_steps``, or MindFormers' rule for -1/None (``BaseTrainer.create_lr_scheduler``
+        after ``check_runner_config``, mindformers/trainer/base_trainer.py and trainer/utils.py):
+        ``epochs × dataset size`` steps, the dataset size being the batches of one epoch (samples //
+        global batch with drop_remainder); with ``sink_mode`` and ``sink_size`` s > 0 the epochs are
+        first rescaled to ``int(size / s × epochs)`` sinks of s steps."""
         if self.steps_override is not None:
             return _positive_int(self.steps_override, "--steps")
-        total = _section(self.g, "lr_schedule").get("total_steps")
+        sched = _section(self.g, "lr_schedule")
+        total = sched.get("total_steps")
         if isinstance(total, int) and not isinstance(total, bool) and total > 0:
             return total
-        sizes = ((_section(self.g, "train_dataset").get("data_loader") or {}).get("sizes") or [None])
-        epochs = rc.get("epochs", 1)
+        if total not in (None, -1):
+            raise ConfigError(f"lr_schedule.total_steps: expected a positive integer, -1 or null, got {total!r}")
+        if not sched and self.predict:
+            return None   # a predict config: nothing trains, no step count
+        samples, why = self._dataset_samples()
+        if samples is None:
+            raise ConfigError(f"lr_schedule.total_steps: {total!r} means epochs × dataset size (MindFormers), but {why}; "
+                              "pass --steps N")
+        drop = _section(self.g, "train_dataset").get("drop_remainder", True)
+        size = samples // global_batch if drop else -(-samples // global_batch)
+        epochs = _int(rc.get("epochs", 1), "runner_config.epochs", 1)
+        sink = rc.get("sink_size", -1)
+        if rc.get("sink_mode", False) and isinstance(sink, int) and sink > 0:
+            steps = int(size / sink * epochs) * sink
+        else:
+            steps = epochs * size
+        if steps <= 0:
+            raise ConfigError(f"lr_schedule.total_steps: {total!r} gives {steps} steps ({samples} samples, global batch "
+                              f"{global_batch}, runner_config.epochs {epochs}); pass --steps N")
+        self.notes.append(f"training.steps = runner_config.epochs {epochs} × dataset size {size} ({samples} samples // "
+                          f"global batch {global_batch}) = {steps} (lr_schedule.total_steps is {total!r}; "
+                          "MindFormers' rule)")
+        return steps
+
+    def _dataset_samples(self) -> tuple[Optional[int], str]:
+        """Samples of one epoch of the train data, from the config (Megatron ``sizes[0]``) or the data
+        (the rows of MindRecord files); (None, why not) when neither tells."""
+        ds = _section(self.g, "train_dataset")
+        loader = ds.get("data_loader") if isinstance(ds.get("data_loader"), dict) else {}
+        kind = loader.get("type")
+        if not loader:
+            return None, "there is no train_dataset.data_loader"
+        if kind == "MindDataset":
+            files = loader.get("dataset_files") or loader.get("dataset_dir")
+            try:
+                from lit_moe.data.mindrecord import MindRecordDataset, mindrecord_files
+
+                return len(MindRecordDataset(mindrecord_files(files, "dataset_files"), None, "dataset_files")), ""
+            except ConfigError as err:
+                return None, f"the MindRecord data cannot be counted ({err})"
+        if kind == "HFDataLoader":
+            return None, "the size of a Hugging Face dataset (HFDataLoader) is known only once it is loaded and processed"
+        sizes = loader.get("sizes") or [None]
         if isinstance(sizes, (list, tuple)) and sizes and isinstance(sizes[0], int) and sizes[0] > 0:
-            steps = _int(epochs, "runner_config.epochs", 1) * (sizes[0] // global_batch)
-            if steps > 0:
-                self.notes.append(f"training.steps = runner_config.epochs {epochs} × (data_loader.sizes[0] "
-                                  f"{sizes[0]} // global batch {global_batch}) = {steps} (lr_schedule.total_steps "
-                                  f"is {total!r})")
-                return steps
-        raise ConfigError(f"lr_schedule.total_steps: {total!r} gives no step count and "
-                          "train_dataset.data_loader.sizes[0] cannot stand in; pass --steps N")
+            return sizes[0], ""
+        return None, "train_dataset.data_loader.sizes[0] does not give the number of samples"
 
     def optimizer(self) -> None:
         opt = self.section("optimizer")
@@ -704,8 +965,13 @@ class _Converter:
         if not isinstance(loader, dict):
             raise ConfigError(f"train_dataset.data_loader: expected a mapping, got {loader!r}")
         dataloader: dict[str, Any] = {}
+        kind = loader.get("type")
         for key, value in loader.items():
-            if key == "config" and isinstance(value, dict):
+            if kind == "MindDataset" and key in ("dataset_dir", "dataset_files"):
+                if "dataset_files" in dataloader:
+                    raise ConfigError("train_dataset.data_loader: dataset_dir and dataset_files both given; keep one")
+                dataloader["dataset_files"] = value   # PyNative's MindDataset takes files and directories
+            elif key == "config" and isinstance(value, dict):
                 cfg = {}
                 for ck, cv in value.items():
                     if ck in ("seed", "num_dataset_builder_threads"):
@@ -723,6 +989,12 @@ class _Converter:
             dataloader["python_multiprocessing"] = ds["python_multiprocessing"]
             used.add("python_multiprocessing")
         out["dataloader"] = dataloader
+        if kind == "HFDataLoader":
+            self.notes.append("train_dataset.data_loader.type: HFDataLoader has no lit_moe loader yet (`lit_moe fit` "
+                              "refuses it): tokenize the data with `lit_moe preprocess` into Megatron .bin/.idx "
+                              "(BlendedMegatronDatasetDataLoader) or write MindRecord files (MindDataset)")
+        elif kind == "MindDataset" and ds.get("input_columns") is None and "column_names" not in dataloader:
+            self.notes.append("train_dataset: no input_columns; MindDataset reads every column of the files")
         for key in ("drop_remainder", "num_parallel_workers", "prefetch_size", "numa_enable"):
             if key in ds:
                 out[key] = ds[key]
@@ -737,7 +1009,9 @@ class _Converter:
         affinity = ctx.get("affinity_config")
         used = set()
         source = "context.affinity_config"
-        if affinity is None and ctx.get("affinity_cpu_list") is not None:
+        if affinity in ("None", "none"):
+            affinity = None   # MindFormers' YAML spelling of "no affinity"
+        if affinity is None and ctx.get("affinity_cpu_list") not in (None, "None", "none"):
             affinity, source = ctx["affinity_cpu_list"], "context.affinity_cpu_list"
         if affinity:
             if not isinstance(affinity, dict):
@@ -816,7 +1090,7 @@ def _check_fixed_keys(name: str, value: Any, cls: type) -> None:
             _check_fixed_keys(f"{name}.{key}", sub, ftype)
 
 
-def validate_conversion(pynative: dict) -> None:
+def validate_conversion(pynative: dict, predict: bool = False) -> None:
     """Check the converted sections the way ``lit_moe fit`` will (one-line :class:`ConfigError`)."""
     from lit_moe.optim import validate_optimizer_section
     from lit_moe.schedules import resolve_schedule
@@ -825,7 +1099,7 @@ def validate_conversion(pynative: dict) -> None:
         _check_fixed_keys(name, pynative.get(name), cls)
     if not pynative.get("model"):
         raise ConfigError("model.model_config: missing or empty; the PyNative config needs the model section")
-    if not pynative.get("lr_scheduler"):
+    if not pynative.get("lr_scheduler") and not predict:
         raise ConfigError("lr_schedule: missing; the PyNative config needs lr_scheduler.type and learning_rate")
     steps = pynative.get("training", {}).get("steps", TrainingConfig.steps)
     if "lr_scheduler" in pynative:
@@ -841,10 +1115,13 @@ def validate_conversion(pynative: dict) -> None:
                                _total_layers(pynative.get("model", {})))
 
 
-def convert(graph: dict, world_size: Optional[int] = None, steps: Optional[int] = None) -> Conversion:
-    """The full conversion (sections, dropped keys, notes), validated; see :func:`convert_graph_config`."""
-    result = _Converter(graph, world_size, steps).run()
-    validate_conversion(result.pynative)
+def convert(graph: dict, world_size: Optional[int] = None, steps: Optional[int] = None,
+            pretrained_model_dir: Optional[str] = None) -> Conversion:
+    """The full conversion (sections, dropped keys, notes), validated; see :func:`convert_graph_config`.
+    ``pretrained_model_dir`` stands in for the YAML's (a Hugging Face model directory)."""
+    converter = _Converter(graph, world_size, steps, pretrained_model_dir)
+    result = converter.run()
+    validate_conversion(result.pynative, predict=converter.predict)
     return result
 
 
@@ -887,14 +1164,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="devices the PyNative run will use (checks the layout)")
     parser.add_argument("--steps", type=int, default=None,
                         help="training.steps, when lr_schedule.total_steps is -1 and the dataset size is unknown")
+    parser.add_argument("--pretrained-model-dir", default=None,
+                        help="Hugging Face model directory (its config.json) in place of the YAML's pretrained_model_dir")
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        graph = load_yaml(args.graph, field="graph.yaml")
-        result = convert(graph, args.world_size, args.steps)
+        repeated: list = []
+        graph = load_yaml(args.graph, field="graph.yaml", repeated=repeated)
+        result = convert(graph, args.world_size, args.steps, args.pretrained_model_dir)
+        result.notes[:0] = [f"graph.yaml: key {key!r} is given twice in one mapping (lines {first} and {line}); "
+                            "the last one is used, as MindFormers (PyYAML) reads it" for key, first, line in repeated]
     except ConfigError as err:
         from lit_moe.tool_errors import one_line
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_moe.config import (ConfigError, ContextConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
+from lit_moe.config import (CheckpointConfig, ConfigError, ContextConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
                             TrainDatasetConfig, TrainingConfig)
 from lit_moe.convert_config import (MP_COMM_PATTERN, SELECT_PATTERN, GraphOnlyKeysWarning, convert,
                                     convert_graph_config, global_batch_from_accumulation, main,
@@ -102,7 +102,8 @@ def test_converted_sections_fit_the_section_dataclasses():
 
     pyn = quiet_convert(load_graph()).pynative
     fixed = {"training": TrainingConfig, "parallelism": ParallelismConfig, "recompute": RecomputeConfig,
-             "recompute_comm": RecomputeCommConfig, "train_dataset": TrainDatasetConfig, "context": ContextConfig}
+             "recompute_comm": RecomputeCommConfig, "train_dataset": TrainDatasetConfig, "context": ContextConfig,
+             "checkpoint": CheckpointConfig}
     assert set(pyn) <= set(fixed) | {"optimizer", "lr_scheduler", "model"}
     parser = ArgumentParser(exit_on_error=False)
     for name, cls in fixed.items():
@@ -111,6 +112,9 @@ def test_converted_sections_fit_the_section_dataclasses():
     assert parsed.context.affinity_config.enable is True
     assert parsed.recompute.full_recompute_layer == ["0-2"]
     assert parsed.training.global_batch_size == 4
+    # callbacks.CheckpointMonitor (prefix, save_checkpoint_steps, keep_checkpoint_max)
+    assert pyn["checkpoint"] == {"prefix": "deepseekv3", "save_interleaved_steps": 5000, "save_max": 1}
+    assert parsed.checkpoint.save_interleaved_steps == 5000
 
 
 def test_notes_explain_the_moe_switches_and_the_derived_steps():

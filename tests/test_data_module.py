@@ -224,8 +224,8 @@ def test_configuration_errors(prefix):
     with pytest.raises(ConfigError, match="num_parallel_workers"):
         MegatronDataModule(cfg, 1, 42)
     cfg = train_config(prefix)
-    cfg.dataloader["type"] = "MindDataset"
-    with pytest.raises(ConfigError, match=r"dataloader\.type: 'MindDataset' is not supported"):
+    cfg.dataloader["type"] = "HFDataLoader"
+    with pytest.raises(ConfigError, match=r"dataloader\.type: 'HFDataLoader' is not supported"):
         MegatronDataModule(cfg, 1, 42)
     with pytest.raises(ConfigError, match=r"'attention_mask' is not produced \(create_attention_mask is false\)"):
         MegatronDataModule(train_config(prefix, columns=("input_ids", "attention_mask")), 1, 42)

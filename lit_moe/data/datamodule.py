@@ -66,7 +66,7 @@ class MegatronSampler(DistributedSampler):
     own; none of the parent's logic is used."""
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, micro_batch_size: int,
-                 drop_last: bool, shuffle: bool, seed: int, position: _Position) -> None:
+                 drop_last: bool, shuffle: bool, seed: int, position: _Position, pad_shards: bool = False) -> None:
         # DistributedSampler.__init__ wants a process group; set the attributes Lightning may read instead.
         self.dataset_size = num_samples
         self.num_replicas = num_replicas
@@ -79,8 +79,13 @@ class MegatronSampler(DistributedSampler):
         self.position = position
         D, b, N = num_replicas, micro_batch_size, num_samples
         # Samples each rank reads per epoch: whole micro-batches only, or ceil(N/D) wrapping around
-        # to the first samples (MindSpore pads shards the same way).
-        self.per_rank = (N // (D * b)) * b if drop_last else -(-N // D)
+        # to the first samples (MindSpore pads shards the same way). pad_shards (MindDataset): every
+        # rank's shard is padded to ceil(N/D) first and then cut to whole micro-batches, as MindSpore's
+        # MindDataset shards (rank d reads d, d+D, ... wrapping) and batches (drop_remainder) them.
+        if pad_shards:
+            self.per_rank = (-(-N // D) // b) * b if drop_last else -(-N // D)
+        else:
+            self.per_rank = (N // (D * b)) * b if drop_last else -(-N // D)
         if self.per_rank == 0:
             raise ConfigError(f"train_dataset: {N} samples cannot fill one micro-batch of {b} on each of "
                               f"{D} data-parallel ranks (drop_remainder: true); raise train_dataset.dataloader.sizes[0]")
@@ -344,7 +349,8 @@ class MegatronDataModule(LightningDataModule):
             raise ConfigError("train_dataset.dataloader.sizes[0]: the train split is empty (size 0 or no "
                               "train documents in split); nothing to train on")
         sampler = MegatronSampler(len(train), self.dp_size, self.dp_rank, self.local_batch_size,
-                                  self.train_config.drop_remainder, self.spec.shuffle, self.seed, self._position)
+                                  self.train_config.drop_remainder, self.spec.shuffle, self.seed, self._position,
+                                  pad_shards=getattr(self.spec, "pad_shards", False))
         workers, init, cpus = self._worker_setup()
         prefetch = max(1, self.train_config.prefetch_size)
         if not self.spec.python_multiprocessing:

@@ -1,9 +1,10 @@
-"""``train_dataset.dataloader`` → (train, valid, test) datasets: MindFormers' BlendedMegatronDatasetDataLoader."""
+"""``train_dataset.dataloader`` → (train, valid, test) datasets: MindFormers' BlendedMegatronDatasetDataLoader,
+or MindSpore's MindDataset (MindRecord files, read by :mod:`lit_moe.data.mindrecord`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -36,12 +37,82 @@ class DataloaderSpec:
     """MindFormers' keys without meaning here (``IGNORED_KEYS``)."""
 
 
-def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> DataloaderSpec:
+@dataclass
+class MindDatasetSpec:
+    """The validated ``train_dataset.dataloader`` mapping of ``type: MindDataset``."""
+
+    dataset_files: Any
+    """``dataset_files`` as written: .mindrecord files and/or directories holding them."""
+    column_names: Optional[list[str]]
+    """Columns of every sample (MindSpore's ``columns_list``); None: every column of the files."""
+    seq_length: Optional[int]
+    """The sequence length every 1-D column must have (``model.seq_length``)."""
+    shuffle: bool = True
+    """Shuffle each epoch (MindSpore's default); lit_moe's permutation seeded by ``training.seed``."""
+    python_multiprocessing: bool = False
+    """Load with worker processes (True) or worker threads (False)."""
+    pad_shards: bool = True
+    """MindSpore pads every data-parallel shard to ``ceil(N / D)`` samples before batching."""
+
+
+# MindSpore's MindDataset arguments that MindFormers sets itself (num_shards/shard_id from the layout,
+# num_parallel_workers from train_dataset) and the ones lit_moe does not implement.
+_MIND_DATASET_SET_BY_MINDFORMERS = {"num_shards", "shard_id", "num_parallel_workers"}
+_MIND_DATASET_NOT_IMPLEMENTED = {"sampler", "padded_sample", "num_padded", "num_samples", "cache", "columns_list"}
+_MIND_DATASET_KEYS = {"type", "dataset_files", "column_names", "shuffle", "python_multiprocessing"}
+
+
+def parse_mind_dataset(section: dict, seq_length: Optional[int]) -> MindDatasetSpec:
+    for key in section:
+        if key in _MIND_DATASET_NOT_IMPLEMENTED:
+            hint = "; write column_names (MindFormers passes it on as columns_list)" if key == "columns_list" else ""
+            raise ConfigError(f"{FIELD}.{key}: not implemented yet for MindDataset{hint}")
+        if key not in _MIND_DATASET_KEYS | _MIND_DATASET_SET_BY_MINDFORMERS:
+            raise ConfigError(f"{FIELD}.{key}: unknown MindDataset key; supported: "
+                              + ", ".join(sorted(_MIND_DATASET_KEYS)))
+    if section.get("dataset_files") in (None, "", []):
+        raise ConfigError(f"{FIELD}.dataset_files: missing; MindDataset needs the .mindrecord file(s) or a directory")
+    columns = section.get("column_names")
+    if isinstance(columns, str):
+        columns = [columns]
+    if columns is not None:
+        if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns):
+            raise ConfigError(f"{FIELD}.column_names: expected a list of column names, got {columns!r}")
+        if len(set(columns)) != len(columns):
+            raise ConfigError(f"{FIELD}.column_names: duplicate names in {list(columns)}")
+        for needed in ("input_ids", "labels"):
+            if needed not in columns:
+                raise ConfigError(f"{FIELD}.column_names: {list(columns)} leaves out {needed!r}; training needs "
+                                  "input_ids and labels")
+    for key in ("shuffle", "python_multiprocessing"):
+        if not isinstance(section.get(key, False), bool):
+            raise ConfigError(f"{FIELD}.{key}: expected true or false, got {section[key]!r}")
+    shuffle = section.get("shuffle", True)
+    if shuffle:
+        warnings.warn(f"{FIELD}.shuffle: true (MindSpore's default when not given) shuffles with lit_moe's "
+                      "permutation seeded by training.seed, not in MindSpore's random order; shuffle: false reads "
+                      "the samples in MindSpore's order", stacklevel=3)
+    return MindDatasetSpec(dataset_files=section["dataset_files"],
+                           column_names=None if columns is None else list(columns), seq_length=seq_length, shuffle=shuffle,
+                           python_multiprocessing=section.get("python_multiprocessing", False))
+
+
+def build_mind_dataset(spec: MindDatasetSpec):
+    from lit_moe.data.mindrecord import MindRecordDataset, mindrecord_files
+
+    files = mindrecord_files(spec.dataset_files, f"{FIELD}.dataset_files")
+    return MindRecordDataset(files, spec.column_names, f"{FIELD}.dataset_files", spec.seq_length)
+
+
+def parse_dataloader(section: dict, seq_length: Optional[int] = None) -> Union[DataloaderSpec, MindDatasetSpec]:
     if not isinstance(section, dict):
         raise ConfigError(f"{FIELD}: expected a mapping, got {section!r}")
     kind = section.get("type")
+    if kind == "MindDataset":
+        return parse_mind_dataset(section, seq_length)
     if kind != "BlendedMegatronDatasetDataLoader":
-        raise ConfigError(f"{FIELD}.type: {kind!r} is not supported; use BlendedMegatronDatasetDataLoader")
+        raise ConfigError(f"{FIELD}.type: {kind!r} is not supported; use BlendedMegatronDatasetDataLoader or "
+                          "MindDataset")
     dtype = section.get("datasets_type", "GPTDataset")
     if dtype != "GPTDataset":
         raise ConfigError(f"{FIELD}.datasets_type: {dtype!r} is not supported; use GPTDataset")
@@ -103,7 +174,9 @@ class ColumnDataset:
         return {c: sample[c] for c in self.column_names}
 
 
-def build_from_spec(spec: DataloaderSpec) -> tuple:
+def build_from_spec(spec: Union[DataloaderSpec, MindDatasetSpec]) -> tuple:
+    if isinstance(spec, MindDatasetSpec):
+        return build_mind_dataset(spec), None, None
     cache_dir = builtin.default_cache_dir(spec.config.path_to_cache)
     splits = build_blended_splits(spec.config, spec.sizes, resolve=lambda p: builtin.resolve(p, cache_dir))
     return tuple(None if ds is None else ColumnDataset(ds, spec.column_names) for ds in splits)

@@ -384,9 +384,17 @@ def check_document_mask_data(model_config: Any, dataloader: Any, eval_dataset: A
     reads it: ``create_compressed_eod_mask: true`` in ``train_dataset.dataloader.config`` turns the
     flag on (``_sync_eod_compression_flag``); with the flag on, every batch must carry
     ``actual_seq_len`` (the document ends the mask is built from): the train data and, when given
-    (evaluation on), the ``eval_dataset`` section. Otherwise one line naming the dataset key."""
+    (evaluation on), the ``eval_dataset`` section. Otherwise one line naming the dataset key.
+    A ``MindDataset`` provides ``actual_seq_len`` when it is one of its ``column_names`` (MindFormers
+    turns the flag on when the MindRecord files have that column)."""
     def provides(loader: Any) -> tuple[bool, str]:
         loader = loader if isinstance(loader, dict) else {}
+        if loader.get("type") == "MindDataset":
+            columns = loader.get("column_names")
+            columns = [columns] if isinstance(columns, str) else list(columns or [])
+            if "actual_seq_len" in columns:
+                return True, ""
+            return False, f"column_names {columns} leaves out 'actual_seq_len'"
         config = loader.get("config") if isinstance(loader.get("config"), dict) else {}
         if not config.get("create_compressed_eod_mask", False):
             return False, "config.create_compressed_eod_mask is false"
