@@ -401,7 +401,10 @@ def build_run(cfg: Any) -> Run:
                         weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
-    step_samples, train_samples = accumulation * training.local_batch_size * dims.dp, run.datamodule.spec.sizes[0]
+    # Megatron-style splits know their sample count here (MindRecord files are counted when read)
+    split_sizes = getattr(run.datamodule.spec, "sizes", None)
+    step_samples = accumulation * training.local_batch_size * dims.dp
+    train_samples = split_sizes[0] if split_sizes else None
     if train_samples is not None and step_samples > train_samples:
         raise ConfigError(f"training.global_batch_size: one optimizer step takes {step_samples:,} samples (accumulation "
                           f"{accumulation:,} x local batch {training.local_batch_size} x data parallel {dims.dp}), more "

@@ -63,7 +63,7 @@ def matmul_rate(device: torch.device | str, dtype: torch.dtype, budget_s: float,
     deadline = time.perf_counter() + budget_s
     gen = torch.Generator(device="cpu").manual_seed(0)
     n, best, timed = START_N, 0.0, 0
-    a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype) for _ in range(2))
     _timed_matmul(a, b)   # warm-up: kernel selection, thread-pool start
     while True:
         seconds = _timed_matmul(a, b)
@@ -73,7 +73,7 @@ def matmul_rate(device: torch.device | str, dtype: torch.dtype, budget_s: float,
             return best
         if n < max_n and 16 * seconds < left:
             n, timed = n * 2, 0
-            a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+            a, b = (torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype) for _ in range(2))
             _timed_matmul(a, b)
 
 
@@ -137,7 +137,9 @@ def _interleaved_rates(device: torch.device, budget_s: float, samples: int = 3) 
     work on the machine slows both alike: at least ``samples`` of each, then more until
     ``budget_s`` is spent."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    pairs = {dtype: [torch.randn(START_N, START_N, generator=gen).to(device=device, dtype=dtype) for _ in range(2)]
+    # device="cpu" explicitly: the probe may first run inside a meta-device context (a model built there)
+    pairs = {dtype: [torch.randn(START_N, START_N, generator=gen, device="cpu").to(device=device, dtype=dtype)
+                     for _ in range(2)]
              for dtype in (torch.bfloat16, torch.float32)}
     best = {dtype: 0.0 for dtype in pairs}
     threads = torch.get_num_threads()

@@ -25,7 +25,7 @@ LAYERS = [
     ["lit_moe.checkpoint"],
     ["lit_moe.strategies"],
     ["lit_moe.callbacks", "lit_moe.evaluation"],
-    ["lit_moe.convert_config"],
+    ["lit_moe.convert_config", "lit_moe.name_keys"],
     ["lit_moe.module"],
     ["lit_moe.cli"],
 ]

@@ -47,7 +47,8 @@ TINY = dict(vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediat
 
 
 @pytest.mark.parametrize("variant", [
-    {}, {"q_lora_rank": None}, {"normalization": "LayerNorm"}, {"position_embedding_type": "learned_absolute"},
+    {}, {"q_lora_rank": None}, {"normalization": "LayerNorm"},
+    {"position_embedding_type": "learned_absolute", "seq_length": 32},   # a table as long as the sequence
     {"num_nextn_predict_layers": 2}, {"n_shared_experts": 0}, {"n_routed_experts": 0},
     {"moe_layer_freq": 2}, {"qk_layernorm": False}, {"moe_shared_expert_intermediate_size": 12},
 ], ids=lambda v: ",".join(v) or "base")

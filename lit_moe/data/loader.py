@@ -3,6 +3,7 @@ or MindSpore's MindDataset (MindRecord files, read by :mod:`lit_moe.data.mindrec
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 

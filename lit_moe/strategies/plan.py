@@ -380,10 +380,16 @@ def _in_forked_child(fn: Any, args: tuple, timeout_s: float = 900.0) -> Any:
 
     if "fork" not in multiprocessing.get_all_start_methods() or (dist.is_available() and dist.is_initialized()):
         return None
+    import gc
+
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
+    # Objects left for the cycle collector (a destroyed process group's gloo backend) are freed here,
+    # where their threads exist: freed in the child, whose fork copied no threads, they wait forever.
+    gc.collect()
 
     def child() -> None:
+        gc.disable()   # the child lives for one computation: nothing inherited is freed there
         try:
             send.send(("ok", fn(*args)))
         except BaseException as err:  # handed to the parent, which raises it
