@@ -30,6 +30,7 @@ import re
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from typing import Optional
 
@@ -292,9 +293,10 @@ class _SyncWatch:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            self._warn = warnings.catch_warnings(record=True)
-            self._records = self._warn.__enter__()
+            self._warn = warnings.catch_warnings()
+            self._warn.__enter__()
             warnings.simplefilter("always")
+            warnings.showwarning = self._record   # restored by catch_warnings on exit
             torch.cuda.set_sync_debug_mode("warn")
         else:
             sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -307,13 +309,26 @@ class _SyncWatch:
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
             self._warn.__exit__(*exc)
-            for r in self._records:
-                if "synchroniz" in str(r.message):
-                    self.calls.append(f"{os.path.relpath(r.filename, ROOT)}:{r.lineno}")
         else:
             self._counter.__exit__(*exc)
             self.calls = [f"{call} at {os.path.relpath(where.split(' ')[0], ROOT)}"
                           for call, where in self._counter.calls]
+
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        # The warning names torch's own synchronising function; the caller that matters is the
+        # innermost frame outside torch and this script.
+        if "synchroniz" not in str(message):
+            return
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not os.path.abspath(f.filename).startswith(torch_dir)
+                  and os.path.abspath(f.filename) != os.path.abspath(__file__)
+                  and "warnings" not in os.path.basename(f.filename)]
+        where = frames[-1] if frames else None
+        self.calls.append(f"{os.path.relpath(filename, ROOT)}:{lineno}" if where is None else
+                          f"{os.path.relpath(where.filename, ROOT)}:{where.lineno} ({where.name}) "
+                          f"-> {os.path.basename(filename)}:{lineno}")
 
 
 def _category(name: str) -> str:
@@ -368,13 +383,16 @@ def fit(args) -> int:
              "max_position_embeddings": run["seq"]}
     if args.torch_compile is not None:
         model["torch_compile"] = args.torch_compile == "true"
+    optimizer = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    if args.fused_optimizer:
+        optimizer["fused"] = True
     device_target = "gpu" if args.device == "cuda" else args.device
     tokens = run["global_batch"] * run["seq"]
     cfg = {
         "checkpoint": {"enable_save": False, "save_path": os.path.join(args.out, "ckpt")},
         "training": {"steps": run["steps"], "local_batch_size": run["micro_batch"],
                      "global_batch_size": run["global_batch"], "max_norm": 1.0, "seed": 1234},
-        "optimizer": {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01},
+        "optimizer": optimizer,
         "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1e-4, "warmup_steps": 0},
         "parallelism": {"data_parallel_shard": -1, "expert_parallel": 1, "tensor_parallel": 1},
         "recompute": {"mode": None},
@@ -425,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/lit_moe_gpu_check"))
     p.add_argument("--torch-compile", choices=["true", "false"], default=None,
                    help="force the model's torch_compile (default: the model default, on for CUDA)")
+    p.add_argument("--fused-optimizer", action="store_true",
+                   help="optimizer.fused: True (torch's fused AdamW kernel) instead of the default foreach")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.part == "kernels":

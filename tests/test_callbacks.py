@@ -118,7 +118,7 @@ class FakeLitMoE(L.LightningModule):
         step = self._done + 1
         for _ in range(self.accumulation_steps):
             batch, _, _ = next(dataloader_iter)
-            ids = batch[0]
+            ids = batch[0].to(self.device)   # dataloader_iter steps get host batches (as LitMoE's do)
             ctx = (torch.profiler.record_function(f"fake_micro_{self._micro_index}") if self.marker
                    else torch.autograd.profiler.record_function("noop"))
             with ctx:
