@@ -44,19 +44,19 @@ class Bug:
 
 BUGS: list[Bug] = [
     # ---------------------------------------------------------------- key maps, norms
-    Bug("hf_norm_swap", "key map", "lit_moe/model/hf.py",
-        'if rest == "pre_mlp_layernorm.weight":\n        return [(prefix + "post_attention_layernorm.weight", _WHOLE)]',
-        'if rest in ("pre_mlp_layernorm.weight", "input_layernorm.weight"):\n'
-        '        return [(prefix + ("input_layernorm.weight" if rest.startswith("pre") else '
-        '"post_attention_layernorm.weight"), _WHOLE)]',
+    Bug("hf_norm_swap", "key map", "lit_moe/model/names.py",
+        '("pre_mlp_layernorm", {"huggingface": "post_attention_layernorm"}),',
+        '("input_layernorm", {"huggingface": "post_attention_layernorm"}),\n'
+        '    ("pre_mlp_layernorm", {"huggingface": "input_layernorm"}),',
         ("tests/test_hf_interop.py", "tests/test_checkpoint_hf.py", "-k", "logits_match or transformers_logits")),
     Bug("hf_router_bias_dropped", "key map", "lit_moe/model/hf.py",
-        'return [(prefix + "mlp.gate.e_score_correction_bias", _WHOLE)]',
-        'return [(prefix + "mlp.gate.e_score_correction_bias", lambda t: t * 0)]',
+        'return [(spelled(name, "huggingface", num_hidden_layers), _WHOLE)]',
+        'return [(spelled(name, "huggingface", num_hidden_layers),\n'
+        '                 (lambda t: t * 0) if name.endswith("expert_bias") else _WHOLE)]',
         ("tests/test_hf_interop.py", "-k", "logits_match")),
-    Bug("hf_mtp_final_norm", "key map", "lit_moe/model/hf.py",
-        'return [(prefix + "shared_head.norm.weight", _WHOLE)]',
-        'return [(prefix + "hnorm.weight", _WHOLE)]',
+    Bug("hf_mtp_final_norm", "key map", "lit_moe/model/names.py",
+        'rest = "shared_head.norm" + rest[len("final_layernorm"):]',
+        'rest = "hnorm" + rest[len("final_layernorm"):]',
         ("tests/test_hf_interop.py", "-k", "mtp_matches or mtp_layers_round_trips")),
     Bug("norm_eps_ignored", "norms", "lit_moe/ops/norm.py",
         "y = F.rms_norm(x, (x.shape[-1],), weight, self.eps)",
