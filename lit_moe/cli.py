@@ -355,12 +355,9 @@ def build_run(cfg: Any) -> Run:
     check_rampup_batch_size(training, dims.dp)
     check_not_yet_sections(swap, recompute, cfg)
 
-    try:
-        from lit_moe.strategies.recompute import validate_recompute
-    except ImportError:  # pragma: no cover - recompute lands with the strategy
-        validate_recompute = None
-    if validate_recompute is not None:
-        validate_recompute(recompute, recompute_comm, model_config.total_layers)
+    from lit_moe.strategies.recompute import validate_recompute
+
+    validate_recompute(recompute, recompute_comm, model_config.total_layers)
 
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section)

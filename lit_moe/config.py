@@ -362,7 +362,7 @@ class AffinityConfig:
     enable: bool = False
     """Bind processes to CPUs."""
     affinity_cpu_list: Optional[dict[str, Any]] = None
-    """``{"device0": ["0-7"], ...}`` or the seed's ``{"device0": {"affinity_cpu_list": [...],
+    """``{"device0": ["0-7"], ...}`` or MindFormers' ``{"device0": {"affinity_cpu_list": [...],
     "module_to_cpu_dict": {...}}}``: CPUs for each local rank's main process and its data workers.
     MindFormers' own form, ``device_X`` keys directly under ``affinity_config`` (no ``enable``), means
     the same with ``enable: true``."""

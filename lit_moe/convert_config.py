@@ -1,6 +1,6 @@
 """``lit_moe convert-config graph.yaml -o pynative.yaml``: a MindFormers graph-mode config → ``pynative.yaml``.
 
-The mapping is the seed's ("与 Graph 模式对应关系" tables of the PyNative configuration guide, and the
+The mapping is MindFormers' ("与 Graph 模式对应关系" tables of the PyNative configuration guide, and the
 graph-mode feature switches of the training-features guide):
 
 ============================================  ==========================================================
@@ -47,7 +47,7 @@ graph.yaml                                    pynative.yaml
                                               ``config.num_dataset_builder_threads`` dropped)
 ============================================  ==========================================================
 
-Every other key (the seed's "Graph 独有配置项": ``output_dir``, ``trainer``, ``runner_config`` beyond the
+Every other key (the guide's "Graph 独有配置项": ``output_dir``, ``trainer``, ``runner_config`` beyond the
 batch, ``context`` beyond affinity, ``parallel``, ``callbacks``, ``runner_wrapper`` beyond clipping, the
 ``profile*`` keys, ``model_config.offset`` without pipeline stages, …) has no PyNative meaning and is named
 in one warning.
@@ -1019,7 +1019,7 @@ class _Converter:
             cpus: dict[str, Any] = {}
             for device, entry in affinity.items():
                 if isinstance(entry, dict):
-                    # the seed's shape: {affinity_cpu_list: [...], module_to_cpu_dict: {main, minddata, ...}}
+                    # the shape in MindFormers' training-features guide: {affinity_cpu_list: [...], module_to_cpu_dict: {main, minddata, ...}}
                     kept = {}
                     for key, value in entry.items():
                         if key in ("affinity_cpu_list", "module_to_cpu_dict"):
@@ -1057,10 +1057,8 @@ def warmup_ratio_for(warmup_steps: int, total_steps: int) -> Optional[float]:
 
 
 def _model_aliases() -> dict[str, str]:
-    try:
-        from lit_moe.model.config import ALIASES
-    except ImportError:  # pragma: no cover - the model package is always present in a release
-        return {}
+    from lit_moe.model.config import ALIASES
+
     return dict(ALIASES)
 
 

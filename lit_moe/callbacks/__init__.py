@@ -12,7 +12,6 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-from lit_moe.callbacks._common import emit
 from lit_moe.callbacks.affinity import CPUAffinity, parse_cpu_list, plan_affinity
 from lit_moe.callbacks.loggers import LoggerBridge, build_logger, combine_loggers
 from lit_moe.callbacks.moe_metrics import MoEMetrics, layer_stats
@@ -38,11 +37,8 @@ __all__ = [
 def _flops_per_token(model_config: Any, seq_length: int) -> Optional[float]:
     if model_config is None:
         return None
-    try:
-        from lit_moe.model import flops_per_token
-    except ImportError:
-        emit("WARNING: lit_moe.model.flops_per_token is not available: no TFLOP/s or MFU", error=True)
-        return None
+    from lit_moe.model import flops_per_token
+
     return float(flops_per_token(model_config, seq_length))
 
 

@@ -1,7 +1,7 @@
-"""CPU affinity (``context.affinity_config``, seed 003): bind each rank's main process and its data
+"""CPU affinity (``context.affinity_config``, MindFormers' training-features guide): bind each rank's main process and its data
 workers to the CPUs listed for its device, so that ranks do not fight over cores.
 
-The seed's shape (MindSpore ``set_cpu_affinity``)::
+MindFormers' shape (MindSpore ``set_cpu_affinity``)::
 
     context:
       affinity_config:
@@ -78,7 +78,7 @@ def _device_entry(spec: dict, local_rank: int) -> tuple[Optional[Any], str]:
 def plan_affinity(spec: Any, local_rank: int, available: Optional[set[int]] = None) -> Optional[AffinityPlan]:
     """Validate the whole spec and return this rank's plan (None: nothing to bind).
 
-    ``spec`` is the seed's mapping, or an object with ``enable`` and ``affinity_cpu_list`` (the
+    ``spec`` is MindFormers' mapping, or an object with ``enable`` and ``affinity_cpu_list`` (the
     config dataclass, whose ``affinity_cpu_list`` holds the same ``device_X`` mapping).
     ``available``: the CPUs this process may use (default: its current affinity)."""
     if spec is None:

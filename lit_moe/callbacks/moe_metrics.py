@@ -1,5 +1,5 @@
 """MoE routing metrics (``monitor.moe_monitor``) and the drop-rate line of graph mode's
-``MoEDropRateCallback`` (seed 003).
+``MoEDropRateCallback`` (MindFormers' training-features guide).
 
 Input: ``step_metrics.moe`` (:class:`lit_moe.step.MoEStepStats`) from the module, already reduced
 over micro-batches and data-parallel ranks (device tensors, copied to the host on reported steps only, one row per MoE layer in

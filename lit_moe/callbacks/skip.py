@@ -1,6 +1,6 @@
 """Global-norm skip protection (``monitor.health_checkpoint``).
 
-Seed 000 §2: ``max_norm`` is the soft protection (scale the gradients and update anyway);
+MindFormers' PyNative training-features guide (gradient clipping): ``max_norm`` is the soft protection (scale the gradients and update anyway);
 ``global_norm_skip_threshold`` is the hard one: when the global gradient norm is too large (or
 NaN/Inf) the update of that step is skipped. More than ``global_norm_skip_time`` consecutive skips
 are treated as a failure. MindFormers parses these fields but never acts on them; we implement what

@@ -5,7 +5,7 @@ Scalars written every ``log_interval`` optimizer steps and at the run's last ste
 TensorBoard is on; other steps read nothing from the device):
 ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/consumed_samples``, ``train/skipped_steps``,
 and ``train/aux_loss`` / ``train/mtp_loss`` when the model has them; each (except consumed samples)
-also as ``"<tag> vs samples"`` against consumed samples (the seed's "vs samples" variants).
+also as ``"<tag> vs samples"`` against consumed samples (MindFormers' "vs samples" variants).
 Throughput scalars come from :class:`~lit_moe.callbacks.throughput.ThroughputMFU`, MoE scalars from
 :class:`~lit_moe.callbacks.moe_metrics.MoEMetrics`. The resolved config is written once as text
 (tag ``config``).

@@ -129,10 +129,8 @@ def check_hf_dir(path: Path) -> None:
 def check_model_shapes(reader: IterationReader, model_config: Any) -> None:
     """Before anything is allocated: the checkpoint's tensors against the model the config builds
     (on the meta device), naming every mismatch."""
-    try:
-        from lit_moe.model import DeepseekV3ForCausalLM
-    except ImportError:  # pragma: no cover - the model package is always there in a full install
-        return
+    from lit_moe.model import DeepseekV3ForCausalLM
+
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(model_config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -159,7 +159,7 @@ def validate(cfg: Any) -> None:
     for name in ("rms_norm_eps", "initializer_range", "rope_theta"):
         if getattr(cfg, name) <= 0:
             fail(name, "must be > 0")
-    # norms and activation (the seed's rules)
+    # norms and activation (the rules of MindFormers' PyNative configuration guide)
     if not cfg.fused_norm:
         fail("fused_norm", "is not supported: only fused normalization layers are supported "
              "(set fused_norm: True)")

@@ -1,8 +1,8 @@
-"""Named model sections: the seed's 8-card example and the published DeepSeek-V3 671B config."""
+"""Named model sections: the 8-card example of MindFormers' PyNative configuration guide and the published DeepSeek-V3 671B config."""
 
 from __future__ import annotations
 
-# The ``model:`` section of the complete 8-card pynative.yaml example (seeds/001, section 10), verbatim.
+# The ``model:`` section of the complete 8-card pynative.yaml example (MindFormers' PyNative configuration guide, section 10), verbatim.
 SEED_8CARD: dict = {
     "model_type": "deepseek_v3", "architectures": "DeepseekV3ForCausalLM", "vocab_size": 129280,
     "seq_length": 4096, "hidden_size": 1792, "intermediate_size": 3072, "num_hidden_layers": 16,

@@ -5,9 +5,9 @@ parallel, C context parallel, P pipeline parallel, E expert parallel,
 ``D = W // (T·P·C)`` the data-parallel degree, ``D = R·S`` with R replicas (``dp_replicate``) of
 S-way FSDP shards (``dp_shard``).
 
-Expert parallel does not enter the world-size product: it *borrows* ranks from ``S·C·T`` (the seed's
-own 8-card table counts it as a separate factor; MindFormers' code and ``000_…txt`` do not, and we
-follow the code). The dense and the expert ("sparse") meshes are two factorisations of the same
+Expert parallel does not enter the world-size product: it *borrows* ranks from ``S·C·T`` (the 8-card
+table of MindFormers' PyNative configuration guide counts it as a separate factor; MindFormers' code and
+its training-features guide do not, and we follow the code). The dense and the expert ("sparse") meshes are two factorisations of the same
 ranks, row-major, outermost first::
 
     batch  [dp_replicate R, dp_shard S, cp C, tp T]      data loading (tp innermost)
@@ -176,7 +176,7 @@ class ParallelDims:
         """``A = global_batch_size // (data_parallel · local_batch_size)`` (MindFormers' floor division)."""
         per_micro = self.dp * local_batch_size
         if per_micro > global_batch_size:
-            # The seed's (MindFormers') message, with the numbers.
+            # MindFormers' message, with the numbers.
             raise ConfigError(
                 "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
                 "global_batch_size or decrease local_batch_size. (training.global_batch_size "

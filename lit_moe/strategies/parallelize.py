@@ -52,19 +52,14 @@ def apply_cp(model: nn.Module, dims, parallelism: ParallelismConfig) -> None:
 def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims) -> None:
     if recompute is None and recompute_comm is None:
         return
-    try:
-        from lit_moe.strategies.recompute import apply_recompute
-    except ImportError:  # pragma: no cover - written by another engineer
-        log.warning("lit_moe.strategies.recompute is missing: recompute sections ignored")
-        return
+    from lit_moe.strategies.recompute import apply_recompute
+
     apply_recompute(model, recompute, recompute_comm, dims)
 
 
 def _reshard_after_forward(block: nn.Module, default: bool) -> bool:
-    try:
-        from lit_moe.strategies.recompute import fsdp_reshard_after_forward
-    except ImportError:  # pragma: no cover
-        return default
+    from lit_moe.strategies.recompute import fsdp_reshard_after_forward
+
     return fsdp_reshard_after_forward(block, default)
 
 

@@ -195,7 +195,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
           f"the dp_shard * cp * tp = {dims.dp_shard * dims.cp * dims.tp} ranks, and data_parallel stays {dims.dp}",
           file=out)
         if seed_dp is not None:
-            p(f"        (the seed's 8-card table, world = tp x ep x dp, would call this layout data_parallel "
+            p(f"        (the 8-card table of MindFormers' PyNative configuration guide, world = tp x ep x dp, would call this layout data_parallel "
               f"{seed_dp}; lit_moe follows MindFormers' code: data_parallel = world_size / (tp * pp * cp) = "
               f"{dims.dp})", file=out)
     p(f"  sharding strategy {parallelism.data_parallel_shard_strategy} "
