@@ -195,8 +195,10 @@ class ParallelismConfig:
     npu_nums_per_device: int = 8
     """Accepted, no effect (see "Keys accepted without effect")."""
     moe_token_dispatcher_type: str = "alltoall"
-    """How tokens reach their experts under expert parallelism: ``alltoall`` or ``allgather``
-    (MindFormers' ``alltoall_deredundancy`` is validated with its rule, then refused)."""
+    """How tokens reach their experts under expert parallelism: ``alltoall`` (one row per token-expert
+    assignment), ``allgather`` or ``alltoall_deredundancy`` (MindFormers: a token crosses to another
+    rank once, however many of its experts sit there, and is fanned out to them on arrival; the same
+    results with fewer bytes; needs ``expert_parallel >= npu_nums_per_device``, MindFormers' rule)."""
     expert_parallel_async_d2h: bool = False
     """Accepted, no effect (see "Keys accepted without effect")."""
     expert_parallel_use_safe_tokens: bool = True
@@ -399,8 +401,9 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "parallelism.enable_loss_parallel":
         "parsed but never read by MindFormers PyNative; the head's cross-entropy is exact either way",
     "parallelism.npu_nums_per_device":
-        "read only by moe_token_dispatcher_type alltoall_deredundancy, which is checked with MindFormers' "
-        "rule and then refused (not implemented)",
+        "read only by moe_token_dispatcher_type alltoall_deredundancy (checked with MindFormers' rule, "
+        "expert_parallel >= npu_nums_per_device): MindFormers de-duplicates tokens per node of that many "
+        "ranks, lit_moe per destination rank, which sends each token only where it has experts",
     "parallelism.expert_parallel_async_d2h":
         "overlaps MindFormers' device-to-host copy of the per-expert token counts; timing only",
     "parallelism.expert_parallel_use_safe_tokens":

@@ -443,8 +443,6 @@ def check_parallelism_keys(p: Any) -> None:
                 "parallelism.moe_token_dispatcher_type: expert_parallel must be greater than or equal to "
                 "npu_nums_per_device when using 'alltoall_deredundancy', but got expert_parallel="
                 f"{p.expert_parallel}, npu_nums_per_device={p.npu_nums_per_device}.")
-        raise ParallelismError("parallelism.moe_token_dispatcher_type: 'alltoall_deredundancy' needs Ascend's "
-                               "de-duplicated all-to-all, which lit_moe does not implement yet; use 'alltoall'")
 
 
 def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None:
