@@ -168,7 +168,9 @@ class ParallelismConfig:
     pipeline_parallel_schedule: str = "1f1b"
     """``1f1b``, ``interleaved_1f1b`` or ``gpipe`` (``1f1b`` becomes ``interleaved_1f1b`` with
     ``pipeline_parallel_interleave_num > 1``, as in MindFormers); also torch's zero-bubble ``interleaved_zb``
-    and ``zbv``. Used when ``pipeline_parallel > 1``."""
+    and ``zbv`` and DeepSeek's ``dualpipev`` (V-shaped like ``zbv``: 2 stages per rank, one micro-batch's
+    forward paired with another's backward; at least 2·pipeline_parallel micro-batches). Used when
+    ``pipeline_parallel > 1``."""
     pipeline_parallel_microbatch_size: int = 1
     """Accepted, no effect (see "Keys accepted without effect")."""
     pipeline_parallel_interleave_num: int = 1

@@ -277,7 +277,7 @@ def _shared_expert_width(cfg: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 # the MindFormers parallelism keys that have no mesh of their own
 # ----------------------------------------------------------------------------------------------
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")  # the last two: torch's zero bubble
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")  # the last three: torch's
 CONTEXT_PARALLEL_METHODS = ("colossal", "ulysses", "hybrid")
 IMPLEMENTED_CP_METHODS = CONTEXT_PARALLEL_METHODS   # lit_moe.strategies.context_parallel does all three
 RESHARD_POLICIES = ("always", "never", "default")
