@@ -181,11 +181,6 @@ def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: 
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
-    for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
-        if getattr(parallelism, key, False):
-            raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
-                                "pipelining schedules; for split input/weight gradients use interleaved_zb or zbv); "
-                                "set it to false")
     mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
     check_shared_embedding(layout, mtp, stage_ranks)
 
