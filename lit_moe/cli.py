@@ -298,8 +298,8 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.module import LitMoE
     from lit_moe.name_keys import check_name_keys
     from lit_moe.schedules import build_lr_lambda
-    from lit_moe.config import check_not_yet_sections, check_rampup_batch_size
-    from lit_moe.device_speed import available_accelerator, resolve_model_section
+    from lit_moe.config import check_not_yet_sections, check_rampup_batch_size, no_effect_notes
+    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.plan import check_layout
 
@@ -354,6 +354,9 @@ def build_run(cfg: Any) -> Run:
     dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
     check_rampup_batch_size(training, dims.dp)
     check_not_yet_sections(swap, recompute, cfg)
+    for line in no_effect_notes({"checkpoint": checkpoint, "parallelism": parallelism, "train_dataset": train_dataset,
+                                 "profiler": profiler, "context": _as_dataclass(context, ContextConfig)}, cfg):
+        print_note(line)
 
     from lit_moe.strategies.recompute import validate_recompute
 

@@ -138,8 +138,11 @@ class ParallelismConfig:
     FSDP reduce group (``data_parallel * context_parallel`` for dense weights, ``dp_replicate * efsdp``
     for routed experts). No effect on one process (no FSDP)."""
     dense_fsdp_shard_size: Optional[int] = None
-    """Shard dense weights over only k of the ``dp_shard * cp`` ranks (MindFormers). Validated (k in
-    [1, F] dividing F = dp_shard * cp), then refused: not implemented yet. null: shard over all."""
+    """Shard dense weights over only k of the ``dp_shard * cp`` ranks and replicate them over the
+    F/k groups (MindFormers' reduced dense FSDP mesh; routed experts keep theirs). Validated (k in
+    [1, F] dividing F = dp_shard * cp); k = F is the default sharding; k < F is refused in one line:
+    it needs a dense mesh apart from the one the experts' mesh is folded from, not implemented yet.
+    null: shard over all."""
     tensor_parallel: int = 1
     """Tensor-parallel degree (with sequence parallelism) for attention, dense MLP, shared experts,
     embedding and head."""
@@ -168,7 +171,9 @@ class ParallelismConfig:
     pipeline_parallel_schedule: str = "1f1b"
     """``1f1b``, ``interleaved_1f1b`` or ``gpipe`` (``1f1b`` becomes ``interleaved_1f1b`` with
     ``pipeline_parallel_interleave_num > 1``, as in MindFormers); also torch's zero-bubble ``interleaved_zb``
-    and ``zbv``. Used when ``pipeline_parallel > 1``."""
+    and ``zbv`` and DeepSeek's ``dualpipev`` (V-shaped like ``zbv``: 2 stages per rank, one micro-batch's
+    forward paired with another's backward; at least 2·pipeline_parallel micro-batches). Used when
+    ``pipeline_parallel > 1``."""
     pipeline_parallel_microbatch_size: int = 1
     """Accepted, no effect (see "Keys accepted without effect")."""
     pipeline_parallel_interleave_num: int = 1
@@ -178,13 +183,15 @@ class ParallelismConfig:
     ``pipeline_parallel * pipeline_parallel_interleave_num``) or one string per stage of
     ``interleave_num`` comma-separated ``"a-b"`` ranges, or a list of layer-id lists."""
     pipeline_parallel_overlap_p2p: bool = False
-    """Pipeline schedule option (overlap send/receive with compute). Used when ``pipeline_parallel > 1``."""
+    """Accepted, no effect (see "Keys accepted without effect")."""
     pipeline_parallel_overlap_b_f: bool = False
-    """Pipeline schedule option (overlap one micro-batch's backward with the next forward)."""
+    """Accepted, no effect (see "Keys accepted without effect")."""
     pipeline_parallel_enable_dxdw_split: bool = False
-    """Pipeline schedule option (split input- and weight-gradient computation)."""
+    """Accepted, no effect (see "Keys accepted without effect"); the split itself is what the
+    ``interleaved_zb``, ``zbv`` and ``dualpipev`` schedules do."""
     pipeline_parallel_p2p_transport: str = "plain"
-    """Pipeline send/receive implementation: ``plain`` or ``auto``."""
+    """``plain`` or ``auto`` (MindFormers' choices, validated). Accepted, no effect (see "Keys
+    accepted without effect")."""
     enable_mc2: bool = False
     """Accepted, no effect (see "Keys accepted without effect")."""
     enable_loss_parallel: bool = False
@@ -195,8 +202,10 @@ class ParallelismConfig:
     npu_nums_per_device: int = 8
     """Accepted, no effect (see "Keys accepted without effect")."""
     moe_token_dispatcher_type: str = "alltoall"
-    """How tokens reach their experts under expert parallelism: ``alltoall`` or ``allgather``
-    (MindFormers' ``alltoall_deredundancy`` is validated with its rule, then refused)."""
+    """How tokens reach their experts under expert parallelism: ``alltoall`` (one row per token-expert
+    assignment), ``allgather`` or ``alltoall_deredundancy`` (MindFormers: a token crosses to another
+    rank once, however many of its experts sit there, and is fanned out to them on arrival; the same
+    results with fewer bytes; needs ``expert_parallel >= npu_nums_per_device``, MindFormers' rule)."""
     expert_parallel_async_d2h: bool = False
     """Accepted, no effect (see "Keys accepted without effect")."""
     expert_parallel_use_safe_tokens: bool = True
@@ -226,8 +235,11 @@ class RecomputeConfig:
     """``{regex: layer specs}``: dotted module paths inside those layers that fully match the regex
     are recomputed (a child is dropped when its parent is selected)."""
     exclude_op: Optional[list[str]] = None
-    """Op names whose outputs MindFormers saves instead of recomputing: validated (non-empty strings),
-    then refused when non-empty: not implemented yet."""
+    """Op names whose outputs MindFormers saves instead of recomputing inside recomputed modules (a
+    selective-checkpoint policy: an op whose MindSpore primitive name contains an entry, case-
+    insensitively, is kept). Validated (non-empty strings), then refused when non-empty: MindSpore's
+    primitive names (``MatMul``, ``AllGather``) are not torch's op names, and saving the outputs of
+    lit_moe's collectives inside a checkpoint is not implemented yet."""
 
 
 @dataclass
@@ -350,7 +362,8 @@ class ProfilerConfig:
     with_stack: bool = True
     """Record Python stacks."""
     profile_cpu: bool = True
-    """Record CPU activity."""
+    """Record CPU activity next to the device's (MindFormers: CPU added to the NPU activities). On a
+    machine without an accelerator the CPU is the only activity and is recorded either way."""
     profiler_level: int = 0
     """Accepted, no effect (see "Keys accepted without effect")."""
     mstx: bool = False
@@ -397,12 +410,31 @@ NO_EFFECT_KEYS: dict[str, str] = {
         "Ascend's fused matmul + communication kernels for tensor parallelism; the result is the same "
         "without them",
     "parallelism.enable_loss_parallel":
-        "parsed but never read by MindFormers PyNative; the head's cross-entropy is exact either way",
+        "MindFormers keeps the head's logits vocabulary-sharded over tensor-parallel ranks and computes "
+        "the cross-entropy on the shards; lit_moe's tensor-parallel head always does (no effect "
+        "without tensor parallelism), and the loss is exact either way",
     "parallelism.npu_nums_per_device":
-        "read only by moe_token_dispatcher_type alltoall_deredundancy, which is checked with MindFormers' "
-        "rule and then refused (not implemented)",
+        "read only by moe_token_dispatcher_type alltoall_deredundancy (checked with MindFormers' rule, "
+        "expert_parallel >= npu_nums_per_device): MindFormers de-duplicates tokens per node of that many "
+        "ranks, lit_moe per destination rank, which sends each token only where it has experts",
     "parallelism.expert_parallel_async_d2h":
-        "overlaps MindFormers' device-to-host copy of the per-expert token counts; timing only",
+        "overlaps MindFormers' device-to-host copy of the per-expert token counts on a side stream; "
+        "bit-identical results (MindFormers' words), timing only",
+    # pipeline schedule options of MindFormers' (hyper_parallel's) schedules: same gradients, other timing
+    "parallelism.pipeline_parallel_overlap_p2p":
+        "MindFormers posts the stage sends/receives asynchronously and waits late; torch.distributed."
+        "pipelining's schedules already post them as non-blocking operations; same results",
+    "parallelism.pipeline_parallel_overlap_b_f":
+        "MindFormers runs one micro-batch's backward next to another's forward to hide the expert "
+        "all-to-alls (it forces it off without MoE layers); the gradients are the same; lit_moe's "
+        "dualpipev schedule pairs forwards with backwards this way",
+    "parallelism.pipeline_parallel_enable_dxdw_split":
+        "MindFormers splits the overlapped backward (pipeline_parallel_overlap_b_f, forced off without "
+        "it) into input- and weight-gradient parts; the gradients are the same; lit_moe's "
+        "interleaved_zb, zbv and dualpipev schedules split them (choose one of those for the split)",
+    "parallelism.pipeline_parallel_p2p_transport":
+        "how MindFormers issues the stage sends/receives (plain or batched); torch's schedules batch "
+        "them themselves; same results",
     "parallelism.expert_parallel_use_safe_tokens":
         "MindFormers prepends one zero-valued, zero-probability token per expert so that no expert "
         "gets zero rows (a kernel requirement); it changes no output or gradient, and lit_moe's expert "
@@ -465,6 +497,29 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "model.is_encoder_decoder": "Hugging Face PretrainedConfig attribute; DeepSeek-V3 is decoder-only",
     "model.problem_type": "Hugging Face PretrainedConfig attribute (classification heads)",
 }
+
+
+def no_effect_notes(sections: dict[str, Any], top: Any = None) -> list[str]:
+    """One line per key of :data:`NO_EFFECT_KEYS` set to a value other than its default: the key, the
+    value and why it changes nothing. ``sections``: ``{"parallelism": ParallelismConfig, ...}``;
+    ``top``: the whole config (its ``get`` reads the top-level keys, whose default is false).
+    ``model.*`` keys are noted where the model section is read (:mod:`lit_moe.model.mindformers_defaults`)."""
+    lines = []
+    for key, why in NO_EFFECT_KEYS.items():
+        section, _, name = key.partition(".")
+        if section == "model":
+            continue
+        if not name:                                    # a top-level key
+            value, default = (top.get(section, False) if top is not None else False), False
+        else:
+            obj = sections.get(section)
+            if obj is None or not dataclasses.is_dataclass(obj):
+                continue
+            value = getattr(obj, name)
+            default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
+        if value is not None and value != default:
+            lines.append(f"{key}: {value!r} has no effect in lit_moe: {why}")
+    return lines
 
 
 def suggest(name: str, candidates: Any) -> str:

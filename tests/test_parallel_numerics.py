@@ -42,6 +42,9 @@ LAYOUTS = {
     # MoE layers' sequence all-gather in backward
     "tp2": _layout(2, tp=2, zero2=True, recompute=True),
     "ep2": _layout(2, ep=2),
+    # MindFormers' alltoall_deredundancy: a token crosses to the other rank once, however many of its
+    # experts are there (bytes compared with ep2's in test_deredundancy_sends_fewer_bytes)
+    "ep2_deredundancy": _layout(2, ep=2, dispatcher="alltoall_deredundancy"),
     # every token routed to rank 0's experts: rank 1's experts receive no rows at all
     "ep2_no_tokens": _layout(2, ep=2, skew=True, dispatcher="allgather"),
     "cp2": _layout(2, cp=2, mtp=0),
@@ -207,6 +210,9 @@ def run_layout(name: str) -> dict:
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, local_expert_rows(model))
         result["local_expert_rows"] = rows      # per rank, per MoE layer
+        sent = torch.tensor(float(sum(m.experts.dispatch_bytes for m in model.moe_layers())))
+        dist.all_reduce(sent)
+        result["dispatch_bytes"] = int(sent)   # both ranks, every forward of the run
     return result
 
 
@@ -393,6 +399,15 @@ def test_experts_without_tokens(layout_results):
     rank0, rank1 = got["local_expert_rows"]
     assert all(rows > 0 for rows in rank0) and all(rows == 0 for rows in rank1)
     assert all(c == 0 for layer in got["counts_last"] for c in layer[4:])
+
+
+def test_deredundancy_sends_fewer_bytes(layout_results):
+    """The same 4 steps (routing equal up to float sums, both matched the single-process run): the
+    de-duplicated dispatch sends fewer bytes than the plain all-to-all. Measured: 348,976
+    against 435,500 bytes (top-2 of 8 experts, hidden 64 fp32, 4 training steps and one forward)."""
+    plain = layout_results["ep2"]["dispatch_bytes"]
+    dedup = layout_results["ep2_deredundancy"]["dispatch_bytes"]
+    assert 0 < dedup < plain, (dedup, plain)
 
 
 def test_collectives_and_vocab_parallel_cross_entropy(layout_results):

@@ -74,6 +74,30 @@ def test_schedules():
     assert [zbv.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
     loop = PipelineLayout(2, 2, "interleaved_1f1b", tuple(split_layers("auto", 4, 2, 2)))
     assert [loop.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
+    # dualpipev: the V shape of zbv, 2 stages per rank, a micro-batch per stage (2P)
+    dual = PipelineLayout(2, 2, "dualpipev", tuple(split_layers("auto", 4, 2, 2)))
+    assert [dual.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
+    with pytest.raises(PipelineError, match="pipeline_parallel_schedule: dualpipev runs exactly 2 stages"):
+        resolve_schedule("dualpipev", 1)
+    dual.check_microbatches(4)
+    with pytest.raises(PipelineError, match="training.global_batch_size 6 gives 3 micro-batches.*needs >= 4"):
+        dual.check_microbatches(3, 6)
+
+
+def test_v_shape_with_mtp_needs_one_rank_per_stage():
+    """First and last stage on one rank share the embedding: with one rank per stage (no FSDP) their
+    gradients add up in one tensor (pp2_dualpipev_mtp below trains so); FSDP stage roots are refused."""
+    from lit_moe.strategies.pipeline import check_pipeline_run
+
+    knobs = SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=2,
+                            pipeline_parallel_schedule="dualpipev")
+    cfg = SimpleNamespace(num_hidden_layers=4, num_nextn_predict_layers=1)
+    check_pipeline_run(knobs, cfg, 4, 4, stage_ranks=1)
+    with pytest.raises(PipelineError) as err:
+        check_pipeline_run(knobs, cfg, 4, 8, stage_ranks=2)
+    msg = str(err.value)
+    assert msg.startswith("parallelism.pipeline_parallel_schedule: dualpipev") and "2 ranks per stage" in msg
+    assert "\n" not in msg
 
 
 def test_too_few_microbatches_names_global_batch_size():
@@ -107,6 +131,9 @@ LAYOUTS = {
     "pp2_recompute": _layout(2, 2, recompute=True),
     "pp2_zbv": _layout(2, 2, schedule="zbv", v=2),
     "pp2_interleaved_zb": _layout(2, 2, schedule="interleaved_zb", v=2),
+    # DeepSeek's DualPipeV (torch's): V-shaped, rank 0 holds the first and the last stage, whose
+    # two stage modules share the embedding (MTP reads it); overlapped forward/backward pairs
+    "pp2_dualpipev_mtp": _layout(2, 2, schedule="dualpipev", v=2, mtp=1),
     "pp4": _layout(4, 4, mtp=1),
     "pp2_dp2": _layout(4, 2, mtp=1),
     "pp2_ep2": _layout(4, 2, ep=2),

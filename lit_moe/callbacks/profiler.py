@@ -32,6 +32,12 @@ def _profiler_backend(device_type: str):
     return prof, getattr(prof.ProfilerActivity, device_activity) if device_activity else None
 
 
+
+def recorded_activities(profile_cpu: bool, cpu: Any, device: Any) -> list:
+    """MindFormers' ``profile_cpu``: the device's activity, plus the CPU's when true. Without an
+    accelerator (``device`` None) the CPU is the only activity and is recorded either way."""
+    return ([cpu] if profile_cpu or device is None else []) + ([device] if device is not None else [])
+
 class StepProfiler(Callback):
     """Profile optimizer steps ``start_step..end_step`` (1-based, inclusive).
 
@@ -71,9 +77,7 @@ class StepProfiler(Callback):
 
     def _start(self, step: int, pl_module: Any) -> None:
         prof, device_activity = _profiler_backend(pl_module.device.type)
-        activities = [prof.ProfilerActivity.CPU] if self.profile_cpu or device_activity is None else []
-        if device_activity is not None:
-            activities.append(device_activity)
+        activities = recorded_activities(self.profile_cpu, prof.ProfilerActivity.CPU, device_activity)
         record = prof.ProfilerAction.RECORD
         self._prof = prof.profile(
             activities=activities, record_shapes=self.record_shapes,

@@ -216,7 +216,8 @@ class DeepseekV3Config:
     not run) an exact per-expert matmul over each expert's contiguous token slice. (MindFormers' default
     False cannot build its PyNative MoE; a section relying on the default gets one line.)"""
     moe_token_dispatcher_type: str = "alltoall"
-    """Token exchange under expert parallelism (``alltoall`` or ``allgather``); used by the strategy."""
+    """Token exchange under expert parallelism (``alltoall``, ``allgather`` or ``alltoall_deredundancy``,
+    see ``parallelism.moe_token_dispatcher_type``); used by the strategy."""
     router_dense_type: str = "float32"
     """dtype of the router GEMM, its scores and the routing decisions."""
 

@@ -428,6 +428,10 @@ class MoE(nn.Module):
         self.last_stats: dict[str, torch.Tensor] = {}
         # context parallel sets it: the balancing statistics of a sequence span its shards' ranks
         self.aux_stats_reduce: Optional[Callable] = None
+        # expert parallel's alltoall_deredundancy sets it (lit_moe.strategies.expert_parallel.
+        # DeduplicatedDispatch): ``(flat_x, weights, indices, keep, experts) -> routed [T, H]`` sends
+        # token rows, not assignment rows, so it needs the routing itself rather than sorted rows
+        self.token_dispatcher: Optional[Callable] = None
 
     @property
     def breaks_compiled_graphs(self) -> bool:
@@ -470,6 +474,9 @@ class MoE(nn.Module):
             rank = capacity_ranks(indices, weights, E, self.drop_policy).reshape(-1)
             keep = rank < capacity
 
+        if self.token_dispatcher is not None:                          # tokens, not assignments, travel
+            self._record(expert_counts(flat_e, E, keep), T * K)
+            return self.token_dispatcher(flat_x, weights, indices, keep, self.experts)
         if keep is None:                                               # dropless
             order = torch.argsort(flat_e, stable=True)
             counts = expert_counts(flat_e, E)

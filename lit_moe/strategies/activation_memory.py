@@ -228,7 +228,7 @@ def schedule_actions(layout: Any, rank: int, microbatches: int) -> list[tuple[st
 
     # torch's classes of the multi-stage schedules (pipeline.py runs the same ones)
     cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
-           "zbv": pl.ScheduleZBVZeroBubble}[layout.schedule]
+           "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}[layout.schedule]
     stages = [SimpleNamespace(group_size=P, group_rank=rank, num_stages=layout.num_stages, stage_index=s,
                               is_first=s == 0, is_last=s == layout.num_stages - 1, submod=nn.Module())
               for s in layout.stages_of(rank)]
@@ -238,6 +238,8 @@ def schedule_actions(layout: Any, rank: int, microbatches: int) -> list[tuple[st
     for action in schedule.pipeline_order[rank]:
         if action is None:
             continue
+        for sub in action.sub_actions or ():           # DualPipeV's overlapped forward and backward
+            out.append((kinds[sub.computation_type.name], sub.stage_index, sub.microbatch_index))
         kind = kinds.get(getattr(action.computation_type, "name", str(action.computation_type)))
         if kind is not None:
             out.append((kind, action.stage_index, action.microbatch_index))
@@ -269,7 +271,7 @@ def peak_in_flight(layout: Any, rank: int, microbatches: int, chunk_bytes: dict[
     return peak, peak_count
 
 
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def pipeline_activation_plan(config: Any, layout: Any, microbatches: int, batch: int, seq: int, *,

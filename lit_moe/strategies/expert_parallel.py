@@ -187,6 +187,85 @@ def _allgather_combine(y: torch.Tensor, d: _Dispatch, group: dist.ProcessGroup) 
     return out.reshape(d.n_max, y.shape[-1])[: d.n]
 
 
+# ----------------------------------------------------------------------------------------------
+# alltoall_deredundancy: each token sent once per destination rank, fanned out there
+# ----------------------------------------------------------------------------------------------
+def destination_ranks(indices: torch.Tensor, keep: Optional[torch.Tensor], ep: int, local_experts: int
+                      ) -> torch.Tensor:
+    """``need [T, ep]``: whether token t has at least one kept assignment on rank r (rank r owns
+    experts ``r*local_experts .. (r+1)*local_experts - 1``)."""
+    T = indices.shape[0]
+    dest = torch.div(indices, local_experts, rounding_mode="floor")
+    if keep is not None:                               # a dropped assignment goes to a spare column
+        dest = torch.where(keep.view(T, -1), dest, ep)
+    need = torch.zeros(T, ep + 1, dtype=torch.int8, device=indices.device).scatter_(1, dest, 1)
+    return need[:, :ep].bool()
+
+
+def dispatch_row_bytes(hidden_bytes: int, top_k: int, dispatcher: str) -> int:
+    """Bytes one dispatched row carries: ``alltoall`` sends a hidden row and its fp32 combine weight
+    per assignment; ``alltoall_deredundancy`` a hidden row per (token, rank) with the token's K expert
+    ids local to that rank (int32, -1: not there) and its K fp32 weights. The combine sends the same
+    number of hidden rows back."""
+    if dispatcher == "alltoall_deredundancy":
+        return hidden_bytes + top_k * (4 + 4)
+    return hidden_bytes + 4
+
+
+class DeduplicatedDispatch:
+    """MindFormers' ``alltoall_deredundancy`` (``DeredundancyExpertParallel``): a token whose K experts
+    sit on the same remote rank crosses the network once, not once per expert.
+
+    Dispatch: every token goes once to each rank owning at least one of its (kept) experts, with its
+    K expert ids local to that rank (-1 elsewhere) and its K combine weights; that rank fans it out
+    to its experts, applies the weights, and sums the token's expert outputs. Combine: one summed row
+    per (token, rank) comes back and the source adds the ranks' rows. The same function as
+    ``alltoall`` (sums in another order).
+
+    MindFormers de-duplicates per node of ``npu_nums_per_device`` ranks (all-gather over nodes, then
+    an all-to-all of assignment rows inside the node); lit_moe per rank, which sends each token only
+    where it has experts. ``dispatch_bytes`` on the experts module counts what left this rank for other
+    ranks (every forward, recomputed ones included), as the ``alltoall`` dispatch does."""
+
+    def __init__(self, group: dist.ProcessGroup, local_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_experts = local_experts
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 keep: Optional[torch.Tensor], experts: nn.Module) -> torch.Tensor:
+        T, H = x.shape
+        K = indices.shape[1]
+        L = self.local_experts
+        need = destination_ranks(indices, keep, self.ep, L)
+        dest, tokens = need.t().nonzero(as_tuple=True)              # rank-major, token order within
+        send_counts = need.sum(dim=0).to(torch.long)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()   # one host sync
+        # the token's experts on its destination rank, as local ids (-1: elsewhere or dropped)
+        mine = torch.div(indices[tokens], L, rounding_mode="floor") == dest[:, None]
+        if keep is not None:
+            mine &= keep.view(T, K)[tokens]
+        local_ids = torch.where(mine, indices[tokens] - dest[:, None] * L, -1).to(torch.int32)
+        recv_x = comm.all_to_all(x.index_select(0, tokens), recv_splits, send_splits, self.group)
+        recv_w = comm.all_to_all(weights.index_select(0, tokens).float(), recv_splits, send_splits, self.group)
+        recv_ids = comm.all_to_all(local_ids, recv_splits, send_splits, self.group).reshape(-1)
+        others = sum(send_splits) - send_splits[self.rank]
+        experts.dispatch_bytes += others * dispatch_row_bytes(H * x.element_size(), K, "alltoall_deredundancy")
+        # fan out: the received tokens' assignments to this rank's experts, expert-major
+        key = torch.where(recv_ids >= 0, recv_ids.long(), L)
+        counts = torch.zeros(L + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+        order = torch.argsort(key, stable=True)[: int(counts[:L].sum())]          # host sync: rows received
+        row_token = torch.div(order, K, rounding_mode="floor")
+        y = experts(recv_x.index_select(0, row_token), counts[:L],
+                    recv_w.reshape(-1, 1).index_select(0, order).to(weights.dtype))
+        per_token = y.new_zeros(recv_x.shape[0], y.shape[-1]).index_add(0, row_token, y)
+        back = comm.all_to_all(per_token, send_splits, recv_splits, self.group)
+        return back.new_zeros(T, back.shape[-1]).index_add(0, tokens, back)
+
+
 def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoall") -> None:
     """Shard ``experts`` (``GroupedExperts``) over ``ep_mesh`` and route rows to their owners."""
     group = ep_mesh.get_group()
@@ -196,6 +275,12 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
             raise ValueError(f"expert parallel: {p.shape[0]} experts of {name} are not divisible by ep {ep}")
         distribute_param(experts, name, ep_mesh, [Shard(0)])
     local_experts = experts.gate_up_proj.shape[0] // ep
+    experts.dispatch_bytes = 0
+    # the dispatch reads the split sizes on the host: a compiled decoder layer leaves this MoE eager
+    # (lit_moe.model.compile.breaks_graphs)
+    experts.dispatch_on_host = True
+    if dispatcher == "alltoall_deredundancy":
+        return      # the MoE layer hands its routing to DeduplicatedDispatch (apply_moe_parallel)
     if dispatcher == "allgather":
         dispatch, dispatch_rows, combine = _allgather_dispatch, _allgather_rows, _allgather_combine
     else:
@@ -204,6 +289,10 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
     def before(mod, args, kwargs):
         x, counts = args[0], args[1]
         rows, local_counts, state = dispatch(x, counts, group, local_experts)
+        if dispatcher == "alltoall":
+            me = dist.get_rank(group)
+            others = sum(state.send_splits) - state.send_splits[me]
+            mod.dispatch_bytes += others * dispatch_row_bytes(x.shape[-1] * x.element_size(), 0, dispatcher)
         # GroupedExperts' row_weights travel with their rows
         row_weights = tuple(dispatch_rows(w, state, group) for w in args[2:])
         return (rows, local_counts) + row_weights, kwargs, state
@@ -212,9 +301,6 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
         return combine(y, state, group)
 
     around_forward(experts, before, after)
-    # the dispatch reads the split sizes on the host: a compiled decoder layer leaves this MoE eager
-    # (lit_moe.model.compile.breaks_graphs)
-    experts.dispatch_on_host = True
 
 
 def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> list[nn.Module]:
@@ -229,6 +315,9 @@ def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> 
             apply_moe_sequence_split(moe, dims.mesh("tp").get_group())
         if dims.ep > 1:
             apply_expert_parallel(moe.experts, dims.mesh("ep"), dispatcher)
+            if dispatcher == "alltoall_deredundancy":
+                moe.token_dispatcher = DeduplicatedDispatch(dims.mesh("ep").get_group(),
+                                                            moe.num_experts // dims.ep)
         experts.append(moe.experts)
     return experts
 
@@ -238,7 +327,7 @@ def resolve_dispatcher(parallelism_value: str, model_value: Optional[str]) -> st
     given; a non-default value wins, two different non-defaults are an error."""
     from lit_moe.config import ConfigError
 
-    model_value = "alltoall" if model_value in (None, "alltoall_deredundancy") else model_value
+    model_value = "alltoall" if model_value is None else model_value
     if parallelism_value != "alltoall" and model_value != "alltoall" and parallelism_value != model_value:
         raise ConfigError(
             f"parallelism.moe_token_dispatcher_type: {parallelism_value!r} conflicts with "

@@ -277,7 +277,7 @@ def _shared_expert_width(cfg: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 # the MindFormers parallelism keys that have no mesh of their own
 # ----------------------------------------------------------------------------------------------
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")  # the last two: torch's zero bubble
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")  # the last three: torch's
 CONTEXT_PARALLEL_METHODS = ("colossal", "ulysses", "hybrid")
 IMPLEMENTED_CP_METHODS = CONTEXT_PARALLEL_METHODS   # lit_moe.strategies.context_parallel does all three
 RESHARD_POLICIES = ("always", "never", "default")
@@ -443,8 +443,6 @@ def check_parallelism_keys(p: Any) -> None:
                 "parallelism.moe_token_dispatcher_type: expert_parallel must be greater than or equal to "
                 "npu_nums_per_device when using 'alltoall_deredundancy', but got expert_parallel="
                 f"{p.expert_parallel}, npu_nums_per_device={p.npu_nums_per_device}.")
-        raise ParallelismError("parallelism.moe_token_dispatcher_type: 'alltoall_deredundancy' needs Ascend's "
-                               "de-duplicated all-to-all, which lit_moe does not implement yet; use 'alltoall'")
 
 
 def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None:

@@ -4,7 +4,7 @@ Keys (MindFormers ``parallelism`` section)::
 
     pipeline_parallel                    P, pipeline ranks
     pipeline_parallel_interleave_num     V, virtual stages per rank (P·V stages in all)
-    pipeline_parallel_schedule           1f1b | interleaved_1f1b | gpipe (+ interleaved_zb, zbv)
+    pipeline_parallel_schedule           1f1b | interleaved_1f1b | gpipe (+ interleaved_zb, zbv, dualpipev)
     pipeline_parallel_layers_per_stage   "auto" or one string per rank: V comma-separated
                                          inclusive ranges "a-b" (or "a"), chunk c of rank r is
                                          stage c·P + r (MindFormers' PpLayerSetting)
@@ -12,7 +12,8 @@ Keys (MindFormers ``parallelism`` section)::
 
 ``1f1b`` with V > 1 becomes ``interleaved_1f1b`` (MindFormers' ``_infer_schedule_type``). The
 zero-bubble schedules of torch (``interleaved_zb``: looped stages, ``zbv``: V-shaped, exactly two
-stages per rank) are an extension.
+stages per rank) and its ``dualpipev`` (DeepSeek's DualPipeV: the V shape of ``zbv``, one micro-batch's
+forward paired with another's backward, split backwards at the ends) are an extension.
 
 Stage s holds decoder layers ``ranges[s]`` (their global indices kept: parameter names, layer ids
 of recompute and checkpoints are those of the whole model); the first stage also holds the
@@ -40,8 +41,10 @@ from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv")
-_MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")
+_MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")                                     # rank r holds stages r and 2P-1-r
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")            # input and weight gradients apart
 
 
 class PipelineError(ParallelismError):
@@ -65,8 +68,8 @@ def resolve_schedule(schedule: Optional[str], interleave: int) -> str:
     if name in ("interleaved_1f1b", "interleaved_zb") and interleave < 2:
         raise PipelineError(f"parallelism.pipeline_parallel_schedule: {name} needs "
                             f"pipeline_parallel_interleave_num > 1, got {interleave}; use 1f1b")
-    if name == "zbv" and interleave != 2:
-        raise PipelineError(f"parallelism.pipeline_parallel_schedule: zbv runs exactly 2 stages per rank, "
+    if name in V_SHAPED and interleave != 2:
+        raise PipelineError(f"parallelism.pipeline_parallel_schedule: {name} runs exactly 2 stages per rank, "
                             f"but pipeline_parallel_interleave_num is {interleave}")
     return name
 
@@ -126,9 +129,10 @@ class PipelineLayout:
         return self.schedule in _MULTI_STAGE
 
     def rank_of(self, stage: int) -> int:
-        """Looped placement (stage s on rank s mod P); ``zbv``: V shape (rank r holds r and 2P-1-r)."""
+        """Looped placement (stage s on rank s mod P); ``zbv``, ``dualpipev``: V shape (rank r holds r
+        and 2P-1-r)."""
         chunk, r = divmod(stage, self.pp)
-        return self.pp - 1 - r if self.schedule == "zbv" and chunk % 2 else r
+        return self.pp - 1 - r if self.schedule in V_SHAPED and chunk % 2 else r
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
@@ -136,7 +140,8 @@ class PipelineLayout:
     def check_microbatches(self, accumulation_steps: int, global_batch_size: Any = None) -> None:
         """One line naming ``training.global_batch_size`` when A cannot fill the schedule."""
         A, P = accumulation_steps, self.pp
-        need = 1 if self.schedule == "gpipe" else P
+        # torch's DualPipeV needs a micro-batch per stage
+        need = 1 if self.schedule == "gpipe" else self.num_stages if self.schedule == "dualpipev" else P
         rounds = max(1, A // P)
         ok = A >= need and (not self.multi_stage or A % rounds == 0)
         if not ok:
@@ -158,7 +163,7 @@ class PipelineLayout:
 
 def check_zero_bubble_reshard(parallelism: Any, schedule: str, stage_ranks: int) -> None:
     """``reshard_after_forward_policy: always`` with a zero-bubble schedule on FSDP stages is refused."""
-    if schedule in ("interleaved_zb", "zbv") and stage_ranks > 1 and \
+    if schedule in SPLIT_BACKWARD and stage_ranks > 1 and \
             getattr(parallelism, "reshard_after_forward_policy", "default") == "always":
         # torch's weight-gradient pass (stage_backward_weight) differentiates w.r.t. the stage's
         # registered parameters when it runs, which must be the unsharded ones the forward used
@@ -176,16 +181,20 @@ def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: 
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
-    for key in ("pipeline_parallel_overlap_p2p", "pipeline_parallel_overlap_b_f", "pipeline_parallel_enable_dxdw_split"):
-        if getattr(parallelism, key, False):
-            raise PipelineError(f"parallelism.{key}: True is not implemented by lit_moe's pipeline (torch.distributed."
-                                "pipelining schedules; for split input/weight gradients use interleaved_zb or zbv); "
-                                "set it to false")
     mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
-    if mtp and layout.rank_of(0) == layout.rank_of(layout.num_stages - 1):
+    check_shared_embedding(layout, mtp, stage_ranks)
+
+
+def check_shared_embedding(layout: "PipelineLayout", mtp: int, stage_ranks: int) -> None:
+    """A V-shaped schedule puts the first and the last stage on one rank, whose two stage modules then
+    share the embedding (MTP reads it on the last stage): fine with one rank per stage (the two
+    gradients add up in one tensor), refused when each stage is its own FSDP root."""
+    last = layout.num_stages - 1
+    if mtp and last > 0 and stage_ranks > 1 and layout.rank_of(0) == layout.rank_of(last):
         raise PipelineError(f"parallelism.pipeline_parallel_schedule: {layout.schedule} puts the first and the last stage "
-                            "on one rank; not supported with model.num_nextn_predict_layers > 0 (use interleaved_zb or "
-                            "interleaved_1f1b)")
+                            f"on one rank, whose MTP layers would share the embedding across two FSDP stage roots "
+                            f"({stage_ranks} ranks per stage); not supported with model.num_nextn_predict_layers > 0 "
+                            "(use interleaved_zb or interleaved_1f1b, or one rank per stage)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,7 +342,7 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: int
+def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: int, stage_ranks: int = 1
                 ) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
     """(this rank's container: every local part under its global names, the per-stage modules).
 
@@ -341,11 +350,7 @@ def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: i
     share its sub-modules and are what ``PipelineStage`` runs."""
     stages = layout.stages_of(pp_rank)
     last = layout.num_stages - 1
-    if len(model.mtp) and last > 0 and layout.rank_of(0) == layout.rank_of(last):
-        raise PipelineError(
-            f"parallelism.pipeline_parallel_schedule: {layout.schedule} puts the first and the last stage on one "
-            "rank, whose MTP layers would share the embedding across two FSDP stage roots; not supported with "
-            "model.num_nextn_predict_layers > 0 (use interleaved_zb or interleaved_1f1b)")
+    check_shared_embedding(layout, len(model.mtp), stage_ranks)
     parts = [DeepseekV3Stage(model, range(*layout.ranges[s]), first=s == 0, last=s == last) for s in stages]
     ids = sorted(i for s in stages for i in range(*layout.ranges[s]))
     container = DeepseekV3Stage(model, ids, first=0 in stages, last=last in stages)
@@ -369,8 +374,8 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
                                     getattr(config, "moe_token_dispatcher_type", None))
     stage_ranks = dims.world_size // dims.pp
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
-    zero_bubble_fsdp = layout.schedule in ("interleaved_zb", "zbv") and stage_ranks > 1
-    if layout.schedule in ("interleaved_zb", "zbv") and config.torch_compile is not False:
+    zero_bubble_fsdp = layout.schedule in SPLIT_BACKWARD and stage_ranks > 1
+    if layout.schedule in SPLIT_BACKWARD and config.torch_compile is not False:
         # torch's input-gradient pass keeps the graph for the weight-gradient pass (retain_graph),
         # which compiled backwards refuse while AOT autograd donates their saved buffers
         torch._functorch.config.donated_buffer = False
@@ -378,7 +383,7 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
     apply_recompute_step(model, recompute, recompute_comm, dims)
-    container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank())
+    container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank(), stage_ranks)
     # One rank per stage shards nothing and reduces nothing: like one process, no FSDP.
     if stage_ranks > 1:
         for part in parts:
@@ -425,7 +430,7 @@ def bubble_fraction(layout: PipelineLayout, A: int) -> float:
     """Idle share of a rank's step with equal forward/backward times: (P-1)/V / (A + (P-1)/V)
     (GPipe and 1F1B with V = 1; Megatron's interleaved bound); zero-bubble schedules fill it with
     weight-gradient work, reported as 0 (ideal: their bound needs F = B = W)."""
-    if layout.schedule in ("interleaved_zb", "zbv"):
+    if layout.schedule in SPLIT_BACKWARD:
         return 0.0
     idle = (layout.pp - 1) / layout.interleave
     return idle / (A + idle)
@@ -468,7 +473,7 @@ def _schedule_class(name: str):
     return {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
             "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
             "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
-            "zbv": pl.ScheduleZBVZeroBubble}[name]
+            "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}[name]
 
 
 class PipelineRunner:
