@@ -685,6 +685,9 @@ def check_top_level(cfg: dict) -> None:
     model = cfg.get("model")
     if isinstance(model, dict) and "model_config" in model:
         raise ConfigError(GRAPH_MODEL_BLOCK)
+    if cfg.get("run_mode") == "predict":   # MindFormers' inference run: a subcommand of its own here
+        raise ConfigError("run_mode: 'predict': generation is `lit_moe predict --config FILE --prompt TEXT` (weights from "
+                          "checkpoint.load_path or --checkpoint); `lit_moe fit` trains")
     graph = sorted(k for k in cfg if k in GRAPH_MODE_KEYS)
     if graph:
         raise ConfigError(f"{graph[0]}: a graph-mode (graph.yaml) key, not a pynative.yaml section; convert the "

@@ -31,20 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
-            max_shard_size: str = "5GB") -> Path:
+def trained_model(data: dict, config_path: str, checkpoint: str):
+    """The model of ``data``'s ``model`` section (one process, CPU) with the weights of ``checkpoint`` (a
+    ``save_path`` or an iteration directory written by any layout); LoRA adapters merged."""
     import torch
 
-    from lit_moe.model.hf import save_pretrained
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.checkpoint.resume import find_iteration_dir
     from lit_moe.config import ConfigError
-    from lit_moe.config_file import load_yaml
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
-    data = load_yaml(config_path)
     model_section = data.get("model")
     if not isinstance(model_section, dict) or not model_section:
         raise ConfigError(f"--config: {config_path!r} has no model section")
@@ -71,6 +69,17 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
         from lit_moe.lora import merge_lora
 
         merge_lora(model)   # the adapters folded into the weights: a plain Hugging Face checkpoint
+    return model
+
+
+def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
+            max_shard_size: str = "5GB") -> Path:
+    import torch
+
+    from lit_moe.config_file import load_yaml
+    from lit_moe.model.hf import save_pretrained
+
+    model = trained_model(load_yaml(config_path), config_path, checkpoint)
     out = Path(output)
     save_pretrained(model, out, max_shard_size=max_shard_size,
                     dtype=getattr(torch, DTYPES[dtype]) if dtype else None)
