@@ -368,6 +368,7 @@ def build_run(cfg: Any) -> Run:
     check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), monitor)
 
     from lit_moe.checkpoint import build_checkpoint_callback
+    from lit_moe.checkpoint.callback import check_hf_export
     from lit_moe.checkpoint.auto_resume import resolve_start
 
     # crash recovery, auto-resume, finished run, writable paths, changed schedule (resilience)
@@ -427,6 +428,7 @@ def build_run(cfg: Any) -> Run:
     evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
         builtin.insert(len(builtin) - 1, evaluation)
+    check_hf_export(checkpoint, model_config)
     ckpt_cb = build_checkpoint_callback(checkpoint, training.global_batch_size)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)

@@ -74,6 +74,15 @@ class CheckpointConfig:
     must equal the config's: a difference is an error listing them. True: the config wins (Megatron's
     ``--override-opt_param-scheduler``): its schedule is evaluated at the restored step and its
     optimizer hyperparameters replace the saved ones (moments and step counts are kept)."""
+    save_hf_at_end: str = ""
+    """At the end of training, also write the final weights in the Hugging Face DeepSeek-V3 layout
+    (``config.json``, safetensors, ``model.safetensors.index.json`` when sharded) into this directory,
+    as ``lit_moe convert-hf`` would (TorchTitan's ``last_save_in_hf``). Any layout: rank 0 rebuilds
+    the model from the final iteration directory (every rank's pieces; LoRA adapters merged) and writes
+    a temporary sibling directory, renamed when complete. Needs ``enable_save``; the directory must be
+    absent or empty at start. Empty: no export."""
+    save_hf_max_shard_size: str = "5GB"
+    """Largest safetensors file of the ``save_hf_at_end`` export (e.g. ``5GB``, ``500MB``, bytes)."""
     save_global_layout_cache: bool = True
     """Accepted, no effect (see "Keys accepted without effect")."""
     reshard_worker_num: int = 1
