@@ -7,7 +7,7 @@ validates everything before anything large is allocated, then builds the Lightni
 the strategy and the callbacks and runs ``Trainer.fit``. The files and the ``--SECTION.KEY VALUE``
 overrides are merged by :mod:`lit_moe.config_file` into one mapping, which LightningCLI then parses.
 
-The other subcommands (``plan``, ``preprocess``, ``convert-config``, ``convert-hf``) are plain argparse
+The other subcommands (``plan``, ``preprocess``, ``convert-config``, ``convert-hf``, ``predict``) are plain argparse
 programs living next to the code they drive.
 """
 
@@ -45,6 +45,7 @@ TOOLS = {
     "preprocess": "lit_moe.data.preprocess",
     "convert-config": "lit_moe.convert_config",
     "convert-hf": "lit_moe.checkpoint.convert_hf",
+    "predict": "lit_moe.predict",
 }
 
 def world_size_from(trainer_cfg: dict, explicit: Optional[set] = None) -> int:
@@ -367,6 +368,7 @@ def build_run(cfg: Any) -> Run:
     check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), monitor)
 
     from lit_moe.checkpoint import build_checkpoint_callback
+    from lit_moe.checkpoint.callback import check_hf_export
     from lit_moe.checkpoint.auto_resume import resolve_start
 
     # crash recovery, auto-resume, finished run, writable paths, changed schedule (resilience)
@@ -426,6 +428,7 @@ def build_run(cfg: Any) -> Run:
     evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
         builtin.insert(len(builtin) - 1, evaluation)
+    check_hf_export(checkpoint, model_config)
     ckpt_cb = build_checkpoint_callback(checkpoint, training.global_batch_size)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
@@ -566,6 +569,7 @@ SUBCOMMANDS = {
     "preprocess": "tokenize JSONL/text into a Megatron .bin/.idx dataset",
     "convert-config": "convert a MindFormers graph-mode graph.yaml into a pynative.yaml",
     "convert-hf": "export a lit_moe checkpoint to the Hugging Face layout",
+    "predict": "generate text from a checkpoint (lit_moe predict --config FILE --checkpoint DIR --prompt TEXT)",
 }
 
 

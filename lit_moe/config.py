@@ -74,6 +74,15 @@ class CheckpointConfig:
     must equal the config's: a difference is an error listing them. True: the config wins (Megatron's
     ``--override-opt_param-scheduler``): its schedule is evaluated at the restored step and its
     optimizer hyperparameters replace the saved ones (moments and step counts are kept)."""
+    save_hf_at_end: str = ""
+    """At the end of training, also write the final weights in the Hugging Face DeepSeek-V3 layout
+    (``config.json``, safetensors, ``model.safetensors.index.json`` when sharded) into this directory,
+    as ``lit_moe convert-hf`` would (TorchTitan's ``last_save_in_hf``). Any layout: rank 0 rebuilds
+    the model from the final iteration directory (every rank's pieces; LoRA adapters merged) and writes
+    a temporary sibling directory, renamed when complete. Needs ``enable_save``; the directory must be
+    absent or empty at start. Empty: no export."""
+    save_hf_max_shard_size: str = "5GB"
+    """Largest safetensors file of the ``save_hf_at_end`` export (e.g. ``5GB``, ``500MB``, bytes)."""
     save_global_layout_cache: bool = True
     """Accepted, no effect (see "Keys accepted without effect")."""
     reshard_worker_num: int = 1
@@ -740,6 +749,9 @@ def check_top_level(cfg: dict) -> None:
     model = cfg.get("model")
     if isinstance(model, dict) and "model_config" in model:
         raise ConfigError(GRAPH_MODEL_BLOCK)
+    if cfg.get("run_mode") == "predict":   # MindFormers' inference run: a subcommand of its own here
+        raise ConfigError("run_mode: 'predict': generation is `lit_moe predict --config FILE --prompt TEXT` (weights from "
+                          "checkpoint.load_path or --checkpoint); `lit_moe fit` trains")
     graph = sorted(k for k in cfg if k in GRAPH_MODE_KEYS)
     if graph:
         raise ConfigError(f"{graph[0]}: a graph-mode (graph.yaml) key, not a pynative.yaml section; convert the "

@@ -400,9 +400,9 @@ class _Converter:
         self.used_top.update(k for k in ("run_mode", "remove_redundancy", "load_checkpoint", "layer_scale",
                                          "layer_decay", "lr_scale_factor", "grouped_lr_schedule") if k in g)
         if self.predict:
-            self.notes.append("run_mode 'predict': lit_moe has no predict path yet; what trains (model, layout) is "
-                              "converted and the inference keys are dropped; add optimizer, lr_scheduler, train_dataset "
-                              "and training.steps to train this model")
+            self.notes.append("run_mode 'predict': the model is converted and the inference keys are dropped; generate with "
+                              "`lit_moe predict --config OUT --checkpoint DIR --prompt TEXT`, or add optimizer, "
+                              "lr_scheduler, train_dataset and training.steps to train this model")
         elif "run_mode" in g:
             self.drop("run_mode", f"{g['run_mode']!r}: `lit_moe fit` trains (fine-tuning is checkpoint.no_load_optim)")
         if g.get("grouped_lr_schedule"):

@@ -27,6 +27,7 @@ INPUTS = {
     "convert-hf": ["--config", "--checkpoint"],
     "preprocess": ["--input"],
     "plan": ["--config", "-c"],
+    "predict": ["--config", "--checkpoint", "--prompts-file"],
 }
 
 

@@ -47,9 +47,14 @@ class StepProbe(Callback):
     ``dump``, also every tensor of the training state (:func:`training_state`) after step
     ``dump_step``, or as restored at train start when ``dump_step`` is 0."""
 
-    def __init__(self, path: str, dump: str = "", dump_step: int = -1) -> None:
-        self.path, self.dump, self.dump_step = path, dump, dump_step
+    def __init__(self, path: str, dump: str = "", dump_step: int = -1, dump_end: str = "") -> None:
+        self.path, self.dump, self.dump_step, self.dump_end = path, dump, dump_step, dump_end
         self.batches: list[str] = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.dump_end:   # the final training state (what checkpoint.save_hf_at_end exports)
+            self.dump = self.dump_end
+            self._dump(trainer, pl_module)
 
     def _dump(self, trainer, pl_module) -> None:
         import torch
@@ -89,7 +94,7 @@ def _helpers():
 
 
 def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict, dataloader: dict | None = None,
-            dump: tuple[Path, int] | None = None, **model) -> Path:
+            dump: tuple[Path, int] | None = None, dump_end: Path | None = None, **model) -> Path:
     h = _helpers()
     cfg = h.tiny_config(tmp_path, steps=steps)
     cfg["training"]["deterministic"] = True
@@ -100,6 +105,8 @@ def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict
     cfg["checkpoint"] = {**cfg["checkpoint"], "enable_save": False, **checkpoint}
     probe_args = {"path": str(probe)} if dump is None else {"path": str(probe), "dump": str(dump[0]),
                                                             "dump_step": dump[1]}
+    if dump_end is not None:
+        probe_args["dump_end"] = str(dump_end)
     cfg["callbacks"] = [{"class_path": "test_checkpoint_e2e.StepProbe", "init_args": probe_args}]
     return h.write_config(tmp_path, cfg, name)
 
@@ -179,10 +186,12 @@ def _dp2_run(tmp_path_factory) -> Path:
     if "path" not in _DP2:
         base = tmp_path_factory.mktemp("dp2")
         config = _config(base, "dp2.yaml", base / "probe.jsonl", 5,
-                         {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3},
-                         dump=(base / "saved.pt", 3))
+                         {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3,
+                          "save_hf_at_end": str(base / "hf_end"), "save_hf_max_shard_size": "200KB"},
+                         dump=(base / "saved.pt", 3), dump_end=base / "final.pt")
         _fit(base, config, "--trainer.devices", "2")
         assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4, 5]
+        check_hf_export(config, base / "hf_end", base / "final.pt")   # the 2-rank FSDP2 layout's export
         # MindFormers' run facts in common.json, from the strategy's declared degrees and the config
         common = json.loads((base / "ckpt" / "iteration_00000003" / "common.json").read_text())
         assert common["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1, "pp": 1}
@@ -215,3 +224,54 @@ def test_hf_export_then_import_into_expert_parallel(tmp_path_factory):
     # fine-tuning starts over: step 1, and the trained weights give a lower loss than the dp2 run's fresh start
     fresh = _probe(base / "probe.jsonl")[1]
     assert float(runs["ours_one"][1]["loss"]) < float(fresh["loss"]) - 1e-3
+
+
+def check_hf_export(config: Path, hf_dir: Path, final_state: Path) -> None:
+    """``checkpoint.save_hf_at_end``: transformers loads the sharded export, and its logits are our
+    model's on the final training state (dumped by ``StepProbe``, independent of the checkpoint files)."""
+    import torch
+    import transformers
+    import yaml
+
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
+
+    assert list(hf_dir.parent.glob(f".{hf_dir.name}.tmp-*")) == []   # the temporary directory was renamed
+    assert (hf_dir / "model.safetensors.index.json").is_file() and len(list(hf_dir.glob("*.safetensors"))) > 2
+    section = yaml.safe_load(config.read_text())["model"]
+    ours = DeepseekV3ForCausalLM(DeepseekV3Config(**read_pynative_model_section(section))).eval()
+    state = torch.load(final_state)
+    ours.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    x = torch.randint(0, section["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(x).logits - hf.eval()(x).logits).abs().max().item()
+    assert diff <= 1e-4, diff   # measured 1.9e-6 (one process) / 1.9e-6 (dp2)
+
+
+def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capsys):
+    """One process: save_hf_at_end writes the final state; ``lit_moe predict`` on the run's save_path
+    (an iteration directory) gives transformers' greedy tokens on that export."""
+    from lit_moe.cli import main as cli_main
+    from lit_moe.generate import left_pad
+
+    import transformers
+
+    save, hf_dir = tmp_path / "ckpt", tmp_path / "out" / "hf"
+    config = _config(tmp_path, "one.yaml", tmp_path / "probe.jsonl", 3,
+                     {"enable_save": True, "save_path": str(save), "save_interleaved_steps": 2,
+                      "save_hf_at_end": str(hf_dir), "save_hf_max_shard_size": "200KB"},
+                     dump_end=tmp_path / "final.pt")
+    _fit(tmp_path, config, "--trainer.devices", "1")
+    check_hf_export(config, hf_dir, tmp_path / "final.pt")
+    prompts = ["It is a truth", "Emma"]
+    assert cli_main(["predict", "--config", str(config), "--checkpoint", str(save), "--tokenizer", "byte",
+                     "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "6"]) == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    ids, valid = left_pad([list(p.encode()) for p in prompts], 256)
+    out = hf.generate(input_ids=ids, attention_mask=valid.long(), max_new_tokens=6, do_sample=False,
+                      pad_token_id=256, eos_token_id=256)[:, ids.shape[1]:].tolist()
+    assert [r["tokens"] for r in rows] == [r[:r.index(256) + 1] if 256 in r else r for r in out]

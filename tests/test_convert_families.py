@@ -79,7 +79,7 @@ def test_legacy_predict_config(tmp_path, capsys):
     for key in ("model.arch", "model.model_config.type", "model.model_config.auto_register", "model.model_config.auto_map"):
         assert "registration" in notes[key]
     assert "multiple_of" in " ".join(notes) and "-100 is what lit_moe does" in notes["model.model_config.ignore_token_id"]
-    assert any("run_mode 'predict': lit_moe has no predict path yet" in ln for ln in err)
+    assert any("run_mode 'predict': the model is converted" in ln and "lit_moe predict" in ln for ln in err)
     m = pyn["model"]
     # legacy names → lit_moe's; moe_config → model; scaling_factor dict and extend_method YARN → YaRN keys
     assert (m["num_attention_heads"], m["num_layers"], m["params_dtype"], m["layernorm_compute_dtype"],

@@ -73,6 +73,28 @@ def check_save_config(cfg: CheckpointConfig) -> None:
         raise ConfigError(f"checkpoint.save_path: {str(path)!r} exists and is not a directory")
 
 
+def check_hf_export(cfg: CheckpointConfig, model_config: Any) -> None:
+    """``checkpoint.save_hf_at_end``, checked before training rather than after it."""
+    if not cfg.save_hf_at_end:
+        return
+    from lit_moe.model.hf import HFCheckpointError, _parse_size, export_problems
+
+    if not cfg.enable_save:
+        raise ConfigError("checkpoint.save_hf_at_end: needs checkpoint.enable_save: True (the export is made from the "
+                          "final iteration directory)")
+    out = Path(cfg.save_hf_at_end)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"checkpoint.save_hf_at_end: {str(out)!r} already exists and is not an empty directory "
+                          "(nothing saved is overwritten)")
+    try:
+        _parse_size(cfg.save_hf_max_shard_size)
+    except HFCheckpointError as err:
+        raise ConfigError(f"checkpoint.save_hf_{err}") from None
+    problems = export_problems(model_config)
+    if problems:
+        raise ConfigError(f"checkpoint.save_hf_at_end: this model has no Hugging Face DeepSeek-V3 form: {problems[0]}")
+
+
 def check_shared_directory(comm: Comm, path: Path, field_name: str, wait_s: float = 5.0) -> None:
     """Every rank sees the same ``path`` (one shared file system), found at start-up rather than at the
     first save (step ``save_interleaved_steps``, 1,000 by default): rank 0 writes a token file there,
@@ -163,6 +185,27 @@ class IterationCheckpoint(Callback):
         if self.cfg.enable_save and not self._failed and trainer.global_step != self._last_saved:
             self.save(trainer, trainer.global_step)
         self.wait()
+        if self.cfg.save_hf_at_end and self.cfg.enable_save and not self._failed and trainer.global_step > 0:
+            self.export_hf(pl_module, trainer.global_step)
+
+    def export_hf(self, pl_module: "pl.LightningModule", step: int) -> None:
+        """``save_hf_at_end``: rank 0 rebuilds the model from iteration ``step`` (every rank's pieces, any
+        layout) and writes the Hugging Face directory; the others wait for its outcome."""
+        from lit_moe.checkpoint.convert_hf import export_atomically, model_from_checkpoint
+
+        comm = self._comm or Comm(None)
+        comm.barrier()   # every rank's files of the final iteration are committed
+        error = None
+        if comm.rank == 0:
+            try:
+                model = model_from_checkpoint(pl_module.model_config, getattr(pl_module, "lora", None),
+                                              self.save_path / iteration_name(step))
+                export_atomically(model, Path(self.cfg.save_hf_at_end), self.cfg.save_hf_max_shard_size)
+            except Exception as err:  # reported on every rank, in one line
+                error = f"{type(err).__name__}: {err}"
+        error = comm.broadcast(error)
+        if error is not None:
+            raise ConfigError(f"checkpoint.save_hf_at_end: the export of iteration {step} failed: {error}")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._failed = True

@@ -31,38 +31,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
-            max_shard_size: str = "5GB") -> Path:
-    import torch
-
-    from lit_moe.model.hf import save_pretrained
-    from lit_moe.checkpoint.iteration import IterationReader, load_module
+def trained_model(data: dict, config_path: str, checkpoint: str):
+    """The model of ``data``'s ``model`` section (one process, CPU) with the weights of ``checkpoint`` (a
+    ``save_path`` or an iteration directory written by any layout); LoRA adapters merged."""
     from lit_moe.checkpoint.layout import CheckpointError
-    from lit_moe.checkpoint.resume import find_iteration_dir
     from lit_moe.config import ConfigError
-    from lit_moe.config_file import load_yaml
-    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
-    data = load_yaml(config_path)
     model_section = data.get("model")
     if not isinstance(model_section, dict) or not model_section:
         raise ConfigError(f"--config: {config_path!r} has no model section")
     config = DeepseekV3Config(**read_pynative_model_section(model_section))
-
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"--checkpoint: {str(path)!r} does not exist or is not a directory")
+    return model_from_checkpoint(config, data.get("lora_config"), path, f"--config: {config_path!r} has a lora_config")
+
+
+def model_from_checkpoint(config, lora: Optional[dict], path: Path, lora_origin: str = "lora_config is set"):
+    """A ``DeepseekV3ForCausalLM(config)`` on the CPU with the weights of ``path`` (a ``save_path``, its
+    tracker followed, or an iteration directory of any layout); ``lora`` adapters merged."""
+    import torch
+
+    from lit_moe.checkpoint.iteration import IterationReader, load_module
+    from lit_moe.checkpoint.resume import find_iteration_dir
+    from lit_moe.config import ConfigError
+    from lit_moe.model import DeepseekV3ForCausalLM
+
     reader = IterationReader(find_iteration_dir(path))
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
-    lora = data.get("lora_config")
     if lora is not None:
         from lit_moe.lora import apply_lora, is_adapter_name
 
         if not any(is_adapter_name(k) for k in reader.index("model").keys()):
-            raise ConfigError(f"--config: {config_path!r} has a lora_config but {reader.path} holds no LoRA adapters "
-                              "(a base checkpoint); remove lora_config to export it as it is")
+            raise ConfigError(f"{lora_origin} but {reader.path} holds no LoRA adapters (a base checkpoint); remove "
+                              "lora_config to export it as it is")
         apply_lora(model, lora)
     model.to_empty(device="cpu")
     model.init_weights(0)  # buffers the checkpoint does not hold (non-persistent) get their defined values
@@ -71,9 +76,39 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
         from lit_moe.lora import merge_lora
 
         merge_lora(model)   # the adapters folded into the weights: a plain Hugging Face checkpoint
+    return model
+
+
+def export_atomically(model, output: Path, max_shard_size: str = "5GB", dtype=None) -> None:
+    """``save_pretrained`` into a temporary sibling of ``output``, renamed to ``output`` when complete
+    (``output``: absent or an empty directory), so a reader never sees a half-written export."""
+    import os
+    import shutil
+    import uuid
+
+    from lit_moe.model.hf import save_pretrained
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_pretrained(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
+        if output.is_dir():
+            output.rmdir()   # empty (checked before the run); a file there makes the rename fail
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
+            max_shard_size: str = "5GB") -> Path:
+    import torch
+
+    from lit_moe.config_file import load_yaml
+
+    model = trained_model(load_yaml(config_path), config_path, checkpoint)
     out = Path(output)
-    save_pretrained(model, out, max_shard_size=max_shard_size,
-                    dtype=getattr(torch, DTYPES[dtype]) if dtype else None)
+    export_atomically(model, out, max_shard_size, getattr(torch, DTYPES[dtype]) if dtype else None)
     return out
 
 

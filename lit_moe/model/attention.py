@@ -227,3 +227,54 @@ class MLAttention(nn.Module):
         mask = ctx.window_mask if self.use_window else ctx.full_mask
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# generation: MLA with DeepSeek-V3's compressed KV cache
+# ----------------------------------------------------------------------------------------------
+class LatentCache:
+    """What MLA keeps of past tokens while generating, as DeepSeek-V3 does: per layer the normed kv
+    latent ``[B, T, kv_lora_rank]`` and the rotated shared rope key ``[B, T, qk_rope_head_dim]``, not
+    the per-head keys and values (``kv_b_proj`` expands the latent again at every step)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(self, layer: int, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's entries of ``layer``; return every entry so far."""
+        if layer in self.layers:
+            old_latent, old_k_pe = self.layers[layer]
+            latent, k_pe = torch.cat([old_latent, latent], dim=1), torch.cat([old_k_pe, k_pe], dim=1)
+        self.layers[layer] = (latent, k_pe)
+        return latent, k_pe
+
+    @property
+    def length(self) -> int:
+        """Tokens held (0 before the prompt)."""
+        return next(iter(self.layers.values()))[0].shape[1] if self.layers else 0
+
+
+def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+               allowed: torch.Tensor, cache: LatentCache) -> torch.Tensor:
+    """``attn`` on the new tokens ``x [B, S, H]`` against the cached ones and themselves.
+
+    ``cos``/``sin [B, S, d/2]``: the rotary angles of the new tokens' positions; ``allowed
+    [B, 1, S, T]``: which of the ``T = cache.length + S`` keys each new token sees."""
+    B, S, _ = x.shape
+    if attn.q_lora_rank is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_nope, q_pe = q.view(B, S, -1, attn.qk_head_dim).split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+    latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    latent, k_pe = attn.kv_a_layernorm(latent), k_pe.view(B, S, 1, attn.qk_rope_head_dim)
+    if attn.use_rope:
+        q_pe = apply_rotary(q_pe, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)
+        k_pe = apply_rotary(k_pe, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)
+    latent, k_pe = cache.extend(attn.layer_idx, latent, k_pe)       # [B, T, r], [B, T, 1, d_rope]
+    T, heads = latent.shape[1], q.shape[-1] // attn.qk_head_dim
+    k_nope, v = attn.kv_b_proj(latent).view(B, T, heads, -1).split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
+    query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+    key = torch.cat([k_nope, k_pe.expand(B, T, heads, attn.qk_rope_head_dim)], dim=-1).transpose(1, 2)
+    out = attn.core_attention(query, key, v.transpose(1, 2), allowed)   # [B, heads, S, d_v]
+    return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))

@@ -1,0 +1,186 @@
+"""``lit_moe predict --config pynative.yaml --checkpoint DIR --prompt TEXT [--prompt TEXT ...]``.
+
+Generates text from a trained model in one process: the model of the config's ``model`` section with
+the weights of ``--checkpoint`` (a ``save_path``, an iteration directory written by any layout, or a
+Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
+(:mod:`lit_moe.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
+Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
+
+The tokenizer is the run's: ``--tokenizer`` (``byte``, ``builtin:NAME``, a ``tokenizer.json`` or a
+Hugging Face tokenizer directory), else the tokenizer files in the checkpoint directory (MindFormers'
+PyNative inference reads weights and tokenizer from ``checkpoint.load_path``), else the built-in
+tokenizer of a ``data_path: builtin:NAME`` corpus. Generation stops at its end-of-document token.
+
+MindFormers' ``run_mode: predict`` maps here: such a pynative.yaml is accepted, and its
+``checkpoint.load_path`` is the checkpoint when ``--checkpoint`` is not given. Its inference decodes
+greedily without the MTP layers, as this does by default (the MTP depths are never run here).
+
+One process only: the parallelism section is ignored (a checkpoint of any layout loads whole); under
+a multi-process launcher (``WORLD_SIZE`` > 1) it stops in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lit_moe.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lit_moe predict", description="Generate text with a trained model.")
+    p.add_argument("--config", required=True, help="the run's pynative.yaml (its model section is used)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a save_path, an iteration directory or a Hugging Face directory "
+                        "(default: the config's checkpoint.load_path)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", default=None,
+                   help="more prompts: one per non-blank line, or a .jsonl of {\"prompt\": ...} records")
+    p.add_argument("--tokenizer", default=None, help="byte, builtin:NAME or a tokenizer path (default: the run's)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled distribution (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file: {str(path)!r} does not exist")
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(lines, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"--prompts-file: {path}:{n}: not JSON ({err.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                    raise ConfigError(f"--prompts-file: {path}:{n}: expected a JSON object with a \"prompt\" string")
+                prompts.append(record["prompt"])
+        else:
+            prompts += lines
+    if not prompts:
+        raise ConfigError("--prompt: give at least one prompt (--prompt TEXT or --prompts-file FILE)")
+    return prompts
+
+
+def run_tokenizer(spec: Optional[str], checkpoint: Path, data: dict):
+    """The tokenizer named by ``spec``, else the run's (see the module docstring)."""
+    from lit_moe.data.tokenizer import load_tokenizer
+
+    if spec:
+        return load_tokenizer(spec)
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        if (checkpoint / name).is_file():
+            return load_tokenizer(str(checkpoint))
+    loader = ((data.get("train_dataset") or {}).get("dataloader") or {}).get("config") or {}
+    paths = loader.get("data_path")
+    for p in paths if isinstance(paths, list) else [paths]:
+        if isinstance(p, str) and p.startswith("builtin:"):
+            return load_tokenizer(p)
+    raise ConfigError(f"--tokenizer: {str(checkpoint)!r} holds no tokenizer files and the config's data_path is "
+                      "no built-in corpus; name the run's tokenizer (byte, builtin:NAME or a tokenizer path)")
+
+
+def load_model(data: dict, config_path: str, checkpoint: Path):
+    """The config's model with the checkpoint's weights (a Hugging Face directory or ours)."""
+    from lit_moe.checkpoint.convert_hf import trained_model
+
+    if not (checkpoint / "config.json").is_file():
+        return trained_model(data, config_path, str(checkpoint))
+    import torch
+
+    from lit_moe.checkpoint.hf_load import load_hf_into
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**read_pynative_model_section(data["model"])))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    load_hf_into(model, checkpoint)
+    return model
+
+
+def check_model(config) -> None:
+    """What the cached decoder does not implement, refused before anything runs."""
+    if config.window_size is not None:
+        raise ConfigError(f"model.window_size: {config.window_size!r}: predict has no sliding-window cache")
+    if getattr(config, "moe_expert_capacity_factor", None):
+        raise ConfigError("model.moe_expert_capacity_factor: token dropping would make a batch's outputs depend on "
+                          "its other prompts; predict needs it null")
+
+
+def predict(args: argparse.Namespace) -> list[dict]:
+    from lit_moe.config_file import load_yaml
+    from lit_moe.generate import generate
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("predict runs in one process (a checkpoint of any layout loads whole): launch it without "
+                          "torchrun/srun; multi-process generation under tp/ep is not implemented")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: must be a positive integer, got {args.max_new_tokens}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ConfigError(f"--top-p: must be in (0, 1], got {args.top_p}")
+    data = load_yaml(args.config)
+    if data.get("run_mode") not in (None, "predict"):
+        raise ConfigError(f"run_mode: {data['run_mode']!r}; lit_moe predict reads a pynative.yaml with run_mode "
+                          "'predict' or none")
+    if not isinstance(data.get("model"), dict) or not data["model"]:
+        raise ConfigError(f"--config: {args.config!r} has no model section")
+    checkpoint = args.checkpoint or (data.get("checkpoint") or {}).get("load_path")
+    if not checkpoint:
+        raise ConfigError("--checkpoint: not given, and the config's checkpoint.load_path is empty")
+    checkpoint = Path(checkpoint).expanduser()
+    if not checkpoint.is_dir():
+        raise ConfigError(f"--checkpoint: {str(checkpoint)!r} does not exist or is not a directory")
+    prompts = read_prompts(args)
+    tokenizer = run_tokenizer(args.tokenizer, checkpoint, data)
+    encoded = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
+    empty = [i for i, ids in enumerate(encoded, 1) if not ids]
+    if empty:
+        raise ConfigError(f"--prompt: prompt {empty[0]} ({prompts[empty[0] - 1]!r}) is empty after tokenization")
+    config = DeepseekV3Config(**read_pynative_model_section(data["model"]))
+    check_model(config)
+    for i, ids in enumerate(encoded, 1):
+        if len(ids) + args.max_new_tokens > config.max_position_embeddings:
+            raise ConfigError(f"--prompt: prompt {i} has {len(ids)} tokens; with --max-new-tokens "
+                              f"{args.max_new_tokens} that exceeds model.max_position_embeddings "
+                              f"{config.max_position_embeddings}")
+        if max(ids) >= config.vocab_size:
+            raise ConfigError(f"--tokenizer: token id {max(ids)} of prompt {i} is outside model.vocab_size "
+                              f"{config.vocab_size} (not the run's tokenizer?)")
+    model = load_model(data, args.config, checkpoint)
+    pad = config.pad_token_id if config.pad_token_id is not None else tokenizer.eod
+    new = generate(model, encoded, args.max_new_tokens, pad_id=pad, eos_id=tokenizer.eod,
+                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return [{"prompt": p, "completion": tokenizer.decode([t for t in toks if t != tokenizer.eod]), "tokens": toks}
+            for p, toks in zip(prompts, new)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from lit_moe.model.hf import HFCheckpointError
+    from lit_moe.tool_errors import one_line
+
+    try:
+        results = predict(args)
+    except (ConfigError, HFCheckpointError) as err:
+        print(f"lit_moe predict: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    for r in results:
+        print(json.dumps(r, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
