@@ -214,6 +214,8 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  accumulation steps {accumulation} (= {training.global_batch_size} // {per_micro})"
       + (f"; {training.global_batch_size - accumulation * per_micro} samples of each global batch dropped"
          if training.global_batch_size % per_micro else ""), file=out)
+    from lit_moe.schedules import batch_ramp
+
     ramp = batch_ramp(training, dims.dp)
     if ramp is not None:
         p(f"  {ramp.describe()}", file=out)
