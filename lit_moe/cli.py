@@ -298,8 +298,8 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.module import LitMoE
     from lit_moe.name_keys import check_name_keys
-    from lit_moe.schedules import build_lr_lambda
-    from lit_moe.config import check_not_yet_sections, check_rampup_batch_size, no_effect_notes
+    from lit_moe.schedules import batch_ramp, build_lr_lambda
+    from lit_moe.config import check_not_yet_sections, no_effect_notes
     from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.plan import check_layout
@@ -353,7 +353,7 @@ def build_run(cfg: Any) -> Run:
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
     dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
-    check_rampup_batch_size(training, dims.dp)
+    ramp = batch_ramp(training, dims.dp)
     check_not_yet_sections(swap, recompute, cfg)
     for line in no_effect_notes({"checkpoint": checkpoint, "parallelism": parallelism, "train_dataset": train_dataset,
                                  "profiler": profiler, "context": _as_dataclass(context, ContextConfig)}, cfg):
@@ -400,7 +400,7 @@ def build_run(cfg: Any) -> Run:
     run.seq_length = seq_length
     run.ckpt_path = load.ckpt_path
     run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
-                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
+                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"), batch_ramp=ramp)
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
                                         seed=training.seed, seq_length=seq_length)
     # Megatron-style splits know their sample count here (MindRecord files are counted when read)

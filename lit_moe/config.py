@@ -109,9 +109,14 @@ class TrainingConfig:
     deterministic: bool = False
     """Use deterministic algorithms: two runs give bitwise identical losses on CPU."""
     rampup_batch_size: Optional[list] = None
-    """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. Validated with
-    MindFormers' rules (three positive ints, levels divisible by ``data_parallel * local_batch_size``),
-    then refused: ramp-up is not implemented yet. null: ``global_batch_size`` throughout."""
+    """``[start, increment, rampup_samples]``: MindFormers' dynamic global batch size. The global batch
+    starts at ``start`` and grows by ``increment`` every ``rampup_samples / ((global_batch_size - start) /
+    increment)`` consumed samples until it reaches ``global_batch_size`` (after ``rampup_samples``); the
+    micro-batch and data-parallel size stay fixed, so the accumulation steps (and a pipeline's
+    micro-batches) grow with it. Every level must be divisible by ``data_parallel * local_batch_size``.
+    ``training.steps`` and the learning-rate schedule count optimizer steps, as in MindFormers. A resume
+    continues the ramp from the checkpoint's consumed samples. null: ``global_batch_size`` throughout.
+    See "Global batch ramp-up"."""
     eval_interval: int = 0
     """Optimizer steps between evaluations (0: never): a no-grad pass over the valid split of the train
     blend (``train_dataset.dataloader.sizes[1]``) or over the ``eval_dataset`` section, logged as
@@ -542,34 +547,6 @@ def suggest(name: str, candidates: Any) -> str:
 def not_yet(field: str, value: Any, what: str, remedy: str) -> ConfigError:
     """The one-line error of a key whose value needs something lit_moe does not implement yet."""
     return ConfigError(f"{field}: {value!r} needs {what}, which lit_moe does not implement yet; {remedy}")
-
-
-def check_rampup_batch_size(t: TrainingConfig, data_parallel: int) -> None:
-    """MindFormers' rules for ``training.rampup_batch_size`` (§2.9), then refused: not implemented."""
-    value = t.rampup_batch_size
-    if value is None:
-        return
-    name = "training.rampup_batch_size"
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
-        raise ConfigError(f"{name}: must be a list of 3 integers [start, increment, rampup_samples], got {value!r}")
-    for i, (v, lo) in enumerate(zip(value, (1, 1, 0))):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{name}[{i}]: must be an integer, got {v!r}")
-        if v < lo:
-            raise ConfigError(f"{name}[{i}]: must be {'> 0' if lo else '>= 0'}, got {v}")
-    start, inc, _ = value
-    base = data_parallel * t.local_batch_size
-    top = t.global_batch_size
-    if start > top:
-        raise ConfigError(f"{name}[0]: start {start} exceeds training.global_batch_size {top} (the final size)")
-    if (top - start) % inc:
-        raise ConfigError(f"{name}[1]: global_batch_size {top} - start {start} is not a multiple of increment {inc}")
-    for level in range(start, top + 1, inc):
-        if level % base:
-            raise ConfigError(f"{name}: batch size {level} is not divisible by data_parallel({data_parallel}) * "
-                              f"local_batch_size({t.local_batch_size}) = {base}")
-    raise not_yet(name, list(value), "a global batch size that grows during training",
-                  f"remove the key (or set it to null) to train with global_batch_size {top} from the first step")
 
 
 def check_not_yet_sections(swap: "SwapConfig", recompute: RecomputeConfig, top: dict[str, Any]) -> None:

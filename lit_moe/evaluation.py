@@ -168,7 +168,7 @@ class Evaluation(Callback):
         emit(f"validation step {step} | val/loss {loss:.6f} | val/ppl {ppl:.4f} | "
              f"{self.eval_iters} micro-batches x {self._data_parallel(trainer)[1]} rank(s) | {seconds:.2f}s")
         writer = tb_writer(trainer)
-        samples = step * getattr(pl_module.training_config, "global_batch_size", 0) if self.log_samples else None
+        samples = pl_module.consumed_samples if self.log_samples else None
         add_scalar(writer, "val/loss", loss, step, samples or None)
         add_scalar(writer, "val/ppl", ppl, step, samples or None)
 

@@ -27,6 +27,7 @@ from lit_moe.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.optim import step_on_device
 from lit_moe.preemption import agree_on_signal, signal_flags
+from lit_moe.schedules import BatchRamp
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
@@ -61,6 +62,9 @@ class LitMoE(LightningModule):
         weights_loader: called with the materialised model after initialisation, to load weights
             only (fine-tuning from a checkpoint or a Hugging Face directory).
         lora: the ``lora_config`` section (:func:`lit_moe.lora.lora_settings`); None: no adapters.
+        batch_ramp: ``training.rampup_batch_size`` (:class:`~lit_moe.schedules.BatchRamp`): each step's
+            ``A`` is read from it before the step, from the samples the steps before it consumed; None:
+            ``accumulation_steps`` throughout.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class LitMoE(LightningModule):
         accumulation_steps: int = 1,
         weights_loader: Optional[Callable[[torch.nn.Module], None]] = None,
         lora: Any = None,
+        batch_ramp: Optional[BatchRamp] = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -79,7 +84,9 @@ class LitMoE(LightningModule):
         self.optimizer_section = dict(optimizer)
         self.lr_scheduler_section = dict(lr_scheduler)
         self.training_config = training
-        self.accumulation_steps = int(accumulation_steps)
+        self.batch_ramp = batch_ramp
+        self.accumulation_steps = int(accumulation_steps if batch_ramp is None else batch_ramp.accumulation_at(0))
+        self._step_first_sample = 0   # samples consumed before the current step (ramp-up)
         self.weights_loader = weights_loader
         from lit_moe.lora import check_lora_targets, lora_settings
 
@@ -221,7 +228,7 @@ class LitMoE(LightningModule):
                 raise
             batches.append(self._transfer(batch))
         length = dataloader_iter.length  # Lightning's iterator knows the epoch's length (None: unsized)
-        if length is not None and 0 < length - dataloader_iter.fetched < self.accumulation_steps:
+        if length is not None and 0 < length - dataloader_iter.fetched < self._next_accumulation():
             self._set_aside([self._transfer(b) for b, _, _ in dataloader_iter])
         return batches
 
@@ -235,6 +242,8 @@ class LitMoE(LightningModule):
         dm = self.trainer.datamodule
         if isinstance(dm, MegatronDataModule):
             return dm.consumed_samples
+        if self.batch_ramp is not None:
+            return self.batch_ramp.samples_after(self.trainer.global_step)
         return (self.trainer.global_step * self.accumulation_steps * self.training_config.local_batch_size
                 * self.step_strategy.parallel_dims.dp)
 
@@ -263,7 +272,38 @@ class LitMoE(LightningModule):
         # Before Lightning creates this epoch's data iterator (the sampler starts where the count is).
         self._dm_samples(self._carried, +1)
 
+    def _ramp_up(self) -> None:
+        """``training.rampup_batch_size``: this step's ``A`` from the samples the steps before it
+        consumed (MindFormers reads its batch-size schedule at the same point)."""
+        if self.batch_ramp is None:
+            return
+        from lit_moe.data import MegatronDataModule
+
+        dm = self.trainer.datamodule
+        if isinstance(dm, MegatronDataModule):   # less the carried micro-batches: counted, not trained yet
+            carried = sum(int(b["input_ids"].shape[0]) for b in self._carried) * dm.dp_size
+            self._step_first_sample = dm.consumed_samples - carried
+        else:
+            self._step_first_sample = self.batch_ramp.samples_after(self.trainer.global_step)
+        self.accumulation_steps = self.batch_ramp.accumulation_at(self._step_first_sample)
+
+    def _next_accumulation(self) -> int:
+        """``A`` of the step after this one."""
+        if self.batch_ramp is None:
+            return self.accumulation_steps
+        ramp = self.batch_ramp
+        return ramp.accumulation_at(self._step_first_sample + self.accumulation_steps * ramp.samples_per_micro_batch)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples of the current (or last) optimizer step: ``training.global_batch_size``, or with a
+        ramp-up the batch it gives this step."""
+        if self.batch_ramp is None:
+            return self.training_config.global_batch_size
+        return self.accumulation_steps * self.batch_ramp.samples_per_micro_batch
+
     def training_step(self, dataloader_iter: Iterator) -> None:
+        self._ramp_up()
         micro_batches = self._take_micro_batches(dataloader_iter)
         self._reset_step_accumulators()
         self.forward_backward(micro_batches)
@@ -447,6 +487,8 @@ class LitMoE(LightningModule):
     # ------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lit_moe"] = {"skipped_steps": self.skipped_steps}
+        if self.batch_ramp is not None:   # informative: a resume reads its batch from the consumed samples
+            checkpoint["lit_moe"]["global_batch_size"] = self.global_batch_size
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("lit_moe", {}).get("skipped_steps", 0))

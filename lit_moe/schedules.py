@@ -329,3 +329,131 @@ def describe(lr_section: dict[str, Any], total_steps: int) -> str:
     s = resolve_schedule(lr_section, total_steps)
     return (f"{s.type}: peak {s.learning_rate:g}, warm-up {s.warmup_steps} of {s.total_steps} steps "
             f"from {s.warmup_lr_init:g}")
+
+
+# ----------------------------------------------------------------------------------------------
+# global batch ramp-up (training.rampup_batch_size)
+# ----------------------------------------------------------------------------------------------
+RAMPUP_KEY = "training.rampup_batch_size"
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    """MindFormers' dynamic global batch (``training.rampup_batch_size: [start, increment, rampup_samples]``),
+    the rule of Megatron-LM's ``RampupBatchsizeNumMicroBatchesCalculator``.
+
+    Before each optimizer step the global batch is read from the samples consumed by the steps before it:
+    ``start + increment·floor(consumed / (rampup_samples / n))`` with ``n = (global_batch_size − start) /
+    increment`` increments, and ``global_batch_size`` once ``consumed > rampup_samples`` (or when there is
+    nothing to ramp: ``n = 0`` or ``rampup_samples = 0``). The micro-batch (``local_batch_size``) and the
+    data-parallel size stay fixed; the accumulation steps grow with the batch,
+    ``A = global batch / (data_parallel · local_batch_size)``. The learning-rate schedule keeps counting
+    optimizer steps (MindFormers builds it over ``training.steps`` and steps it once per update; Megatron
+    counts samples instead)."""
+
+    start: int
+    increment: int
+    rampup_samples: int
+    global_batch_size: int
+    samples_per_micro_batch: int   # data_parallel * local_batch_size
+
+    @property
+    def increments(self) -> int:
+        if self.start >= self.global_batch_size:
+            return 0
+        return (self.global_batch_size - self.start) // self.increment
+
+    @property
+    def samples_per_increment(self) -> float:
+        """Consumed samples between two increments (a float, as in MindFormers; 0: no ramp)."""
+        n = self.increments
+        return self.rampup_samples / n if n > 0 and self.rampup_samples > 0 else 0.0
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after ``consumed_samples`` samples."""
+        per = self.samples_per_increment
+        if consumed_samples > self.rampup_samples or per <= 0:
+            return self.global_batch_size
+        return min(self.start + self.increment * int(consumed_samples / per), self.global_batch_size)
+
+    def accumulation_at(self, consumed_samples: int) -> int:
+        """Micro-batches per rank of the step that starts after ``consumed_samples`` samples."""
+        return self.global_batch_at(consumed_samples) // self.samples_per_micro_batch
+
+    def levels(self) -> list[int]:
+        """Every global batch the ramp can take, ascending (the last is ``global_batch_size``)."""
+        return list(range(self.start, self.global_batch_size, self.increment)) + [self.global_batch_size]
+
+    def stretches(self, total_steps: int) -> list[tuple[int, int, int]]:
+        """``(first step, global batch, samples consumed before that step)`` of each run of steps with
+        one global batch, over ``total_steps`` optimizer steps (steps 0-based)."""
+        out: list[tuple[int, int, int]] = []
+        step, consumed = 0, 0
+        while step < total_steps:
+            gbs = self.global_batch_at(consumed)
+            out.append((step, gbs, consumed))
+            if gbs == self.global_batch_size:   # the batch never decreases: the rest is one stretch
+                break
+            n = self._steps_at_level(consumed, gbs)
+            step, consumed = step + n, consumed + n * gbs
+        return out
+
+    def _steps_at_level(self, consumed: int, gbs: int) -> int:
+        """Steps of ``gbs`` samples from ``consumed`` until the batch changes: estimated from the next
+        level's boundary, then corrected against :meth:`global_batch_at` (the float division decides)."""
+        per = self.samples_per_increment
+        boundary = (int(consumed / per) + 1) * per
+        n = max(1, math.ceil((boundary - consumed) / gbs))
+        while n > 1 and self.global_batch_at(consumed + (n - 1) * gbs) != gbs:
+            n -= 1
+        while self.global_batch_at(consumed + n * gbs) == gbs:
+            n += 1
+        return n
+
+    def samples_after(self, steps: int) -> int:
+        """Samples consumed by the first ``steps`` optimizer steps (the inverse of the step rule:
+        ``consumed(s + 1) = consumed(s) + global_batch_at(consumed(s))``)."""
+        if steps <= 0:
+            return 0
+        first, gbs, before = self.stretches(steps)[-1]
+        return before + (steps - first) * gbs
+
+    def describe(self) -> str:
+        """One line for the console and ``lit_moe plan``."""
+        b = self.samples_per_micro_batch
+        if self.samples_per_increment <= 0:
+            return f"global batch ramp-up: none (global_batch_size {self.global_batch_size} from the first step)"
+        return (f"global batch ramp-up {self.start} → {self.global_batch_size} by {self.increment} every "
+                f"{self.samples_per_increment:g} samples (the first {self.rampup_samples:,}); accumulation "
+                f"{self.start // b} → {self.global_batch_size // b}")
+
+
+def batch_ramp(training: Any, data_parallel: int) -> Optional[BatchRamp]:
+    """The run's :class:`BatchRamp` from ``training.rampup_batch_size`` (None: null), after MindFormers'
+    checks: three integers, ``start > 0``, ``increment > 0``, ``rampup_samples >= 0``,
+    ``start <= global_batch_size``, ``global_batch_size − start`` a multiple of ``increment``, and every
+    level a multiple of ``data_parallel · local_batch_size``."""
+    value = training.rampup_batch_size
+    if value is None:
+        return None
+    name = RAMPUP_KEY
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ConfigError(f"{name}: must be a list of 3 integers [start, increment, rampup_samples], got {value!r}")
+    for i, (v, lo) in enumerate(zip(value, (1, 1, 0))):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}[{i}]: must be an integer, got {v!r}")
+        if v < lo:
+            raise ConfigError(f"{name}[{i}]: must be {'> 0' if lo else '>= 0'}, got {v}")
+    start, inc, samples = value
+    base = data_parallel * training.local_batch_size
+    top = training.global_batch_size
+    if start > top:
+        raise ConfigError(f"{name}[0]: start {start} exceeds training.global_batch_size {top} (the final size)")
+    if (top - start) % inc:
+        raise ConfigError(f"{name}[1]: global_batch_size {top} - start {start} is not a multiple of increment {inc}")
+    ramp = BatchRamp(start, inc, samples, top, base)
+    for level in ramp.levels():
+        if level % base:
+            raise ConfigError(f"{name}: batch size {level} is not divisible by data_parallel({data_parallel}) * "
+                              f"local_batch_size({training.local_batch_size}) = {base}")
+    return ramp

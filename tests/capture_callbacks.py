@@ -55,6 +55,7 @@ class StepRecorder(Callback):
             row = {k: getattr(m, k) for k in ("step", "loss", "lr", "grad_norm", "consumed_samples", "aux_loss",
                                               "mtp_loss", "skipped")}
             row["loss_hex"] = float(m.loss).hex()
+            row["micro_batches"] = len(m.micro_losses)
             row["first_tokens"] = batch["input_ids"][0, :8].tolist()
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -78,8 +78,10 @@ def layout_text(dims: Any) -> str:
 
 
 def summary_line(model_config: Any, *, global_batch_size: int, local_batch_size: int, seq_length: int,
-                 accumulation_steps: int, dims: Any = None, trainable: Optional[int] = None) -> str:
-    """The line printed when training starts."""
+                 accumulation_steps: int, dims: Any = None, trainable: Optional[int] = None,
+                 ramp: Any = None, consumed_samples: int = 0) -> str:
+    """The line printed when training starts. ``ramp``: the run's
+    :class:`~lit_moe.schedules.BatchRamp` (the batch of the first step is read at ``consumed_samples``)."""
     from lit_moe.model.sizing import param_counts
 
     counts = param_counts(model_config)
@@ -90,6 +92,9 @@ def summary_line(model_config: Any, *, global_batch_size: int, local_batch_size:
     parts.append(f"{global_batch_size * seq_length:,} tokens per step ({global_batch_size} × {seq_length})")
     parts.append(layout_text(dims))
     parts.append(f"accumulation {accumulation_steps} × micro-batch {local_batch_size}")
+    if ramp is not None:
+        parts.append(f"{ramp.describe()}; this step {ramp.global_batch_at(consumed_samples)} "
+                     f"(after {consumed_samples:,} samples)")
     return "lit_moe: " + " | ".join(parts)
 
 
@@ -118,7 +123,9 @@ class RunSummary(Callback):
         trainable = None
         if model is not None:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        ramp = getattr(pl_module, "batch_ramp", None)
         emit(summary_line(self.model_config, global_batch_size=self.global_batch_size,
                           local_batch_size=self.local_batch_size, seq_length=self.seq_length,
                           accumulation_steps=self.accumulation_steps,
-                          dims=getattr(trainer.strategy, "parallel_dims", None), trainable=trainable))
+                          dims=getattr(trainer.strategy, "parallel_dims", None), trainable=trainable,
+                          ramp=ramp, consumed_samples=pl_module.consumed_samples if ramp is not None else 0))

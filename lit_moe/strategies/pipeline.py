@@ -137,8 +137,9 @@ class PipelineLayout:
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
-    def check_microbatches(self, accumulation_steps: int, global_batch_size: Any = None) -> None:
-        """One line naming ``training.global_batch_size`` when A cannot fill the schedule."""
+    def check_microbatches(self, accumulation_steps: int, global_batch_size: Any = None,
+                           field: str = "training.global_batch_size") -> None:
+        """One line naming ``field`` (the key that sets the global batch) when A cannot fill the schedule."""
         A, P = accumulation_steps, self.pp
         # torch's DualPipeV needs a micro-batch per stage
         need = 1 if self.schedule == "gpipe" else self.num_stages if self.schedule == "dualpipev" else P
@@ -148,9 +149,9 @@ class PipelineLayout:
             gbs = f" {global_batch_size}" if global_batch_size is not None else ""
             rule = f">= {need}" + (f" and a multiple of max(1, A // {P})" if self.multi_stage else "")
             raise PipelineError(
-                f"training.global_batch_size{gbs} gives {A} micro-batches per step (global_batch_size / "
+                f"{field}{gbs} gives {A} micro-batches per step (global batch / "
                 f"(data_parallel * local_batch_size)), but pipeline schedule {self.schedule} with pipeline_parallel "
-                f"{P} needs {rule}: raise global_batch_size")
+                f"{P} needs {rule}: raise {field.rpartition('.')[2]}")
 
     def describe(self) -> list[str]:
         lines = [f"pipeline_parallel {self.pp} x interleave {self.interleave} = {self.num_stages} stages, "

@@ -125,7 +125,8 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
     model and the batch: the one validation ``lit_moe fit`` and ``lit_moe plan`` share, so that plan
     refuses what fit refuses."""
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
-    from lit_moe.strategies.pipeline import check_pipeline_run
+    from lit_moe.schedules import RAMPUP_KEY, batch_ramp
+    from lit_moe.strategies.pipeline import PipelineLayout, check_pipeline_run
     from lit_moe.strategies.strategy import check_parallelism_section
 
     check_parallelism_keys(parallelism)
@@ -134,9 +135,14 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
     dims.validate_model(model_config, seq_length)
     check_parallel_layout(parallelism, dims, model_config)
     accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
+    ramp = batch_ramp(training, dims.dp)
     if dims.pp > 1:
         check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size,
                            stage_ranks=dims.world_size // dims.pp)
+        if ramp is not None:   # every level of the ramp runs the schedule with its own micro-batch count
+            layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+            for level in ramp.levels()[:-1]:
+                layout.check_microbatches(level // ramp.samples_per_micro_batch, level, field=RAMPUP_KEY)
     return dims, accumulation
 
 
@@ -208,6 +214,14 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  accumulation steps {accumulation} (= {training.global_batch_size} // {per_micro})"
       + (f"; {training.global_batch_size - accumulation * per_micro} samples of each global batch dropped"
          if training.global_batch_size % per_micro else ""), file=out)
+    from lit_moe.schedules import batch_ramp
+
+    ramp = batch_ramp(training, dims.dp)
+    if ramp is not None:
+        p(f"  {ramp.describe()}", file=out)
+        for first, gbs, before in ramp.stretches(training.steps):
+            p(f"    from step {first + 1} (after {before:,} samples): global batch {gbs}, accumulation "
+              f"{gbs // per_micro}", file=out)
     p(f"  sequence length {seq_length}: {seq_length // dims.cp} tokens per context-parallel rank, "
       f"{seq_length // (dims.cp * dims.tp)} per tensor-parallel rank between layers", file=out)
     p("model", file=out)
