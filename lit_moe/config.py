@@ -504,7 +504,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "model.output_hidden_states": "Hugging Face forward-output option",
     "model.output_attentions": "Hugging Face forward-output option",
     "model.use_return_dict": "Hugging Face forward-output option",
-    "model.head_dim": "Hugging Face config.json (qk_rope_head_dim); derived here",
     "model.chunk_size_feed_forward": "Hugging Face PretrainedConfig attribute; unused by DeepSeek-V3",
     "model.id2label": "Hugging Face PretrainedConfig attribute (classification heads)",
     "model.label2id": "Hugging Face PretrainedConfig attribute (classification heads)",

@@ -128,7 +128,7 @@ ERRORS = [
     (dict(hidden_size="wide"), r"model\.hidden_size: expected int, got str \('wide'\)"),
     (dict(norm_topk_prob="yes"), r"model\.norm_topk_prob: expected bool"),
     (dict(tie_word_embeddings=True), r"model\.tie_word_embeddings: True is not supported"),
-    (dict(multi_latent_attention=False), r"model\.multi_latent_attention: False is not supported"),
+    (dict(multi_latent_attention=False, num_key_value_heads=3), r"model\.num_key_value_heads: 3 must be >= 1 and divide"),
     (dict(add_bias_linear=True), r"model\.add_bias_linear: True is not supported"),
     (dict(gated_linear_unit=False), r"model\.gated_linear_unit: False is not supported"),
     (dict(rope_scaling={"type": "linear", "factor": 2}), r"model\.rope_scaling\.type: 'linear' is not supported"),

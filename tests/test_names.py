@@ -292,6 +292,8 @@ MINDFORMERS = {
     "softmax_compute_dtype": "float32",            # T
     "pad_token_id": 0,                             # T __post_init__ (None -> 0)
     "bos_token_id": 0, "eos_token_id": 1,          # D
+    "head_dim": None,                              # T kv_channels (None -> hidden_size // heads)
+    "partial_rotary_factor": 1.0,                  # T
 }
 # lit_moe switches MindFormers has no key for.
 LIT_MOE_ONLY = {"gelu_approximate", "silu_inplace", "use_fused_swiglu", "torch_compile"}

@@ -62,7 +62,7 @@ def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = No
             shape = torch.Size(piece.global_shape)
             full = torch.empty(shape, dtype=piece.local.dtype)
             complete = True
-            for hf_key, view in hf.hf_keys(canonical(name), shape, config.num_hidden_layers):
+            for hf_key, view in hf.hf_keys(canonical(name), shape, config.num_hidden_layers, config):
                 target = view(full)
                 if hf_key in available:
                     src = read(hf_key)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from lit_moe.config import ConfigError
+from lit_moe.model.families import FAMILY_DEFAULTS
 from lit_moe.model.config_parsing import (  # noqa: F401  (public names of this module)
     _DTYPES,
     ALIASES,
@@ -45,9 +46,12 @@ class DeepseekV3Config:
 
     # ------------------------------------------------------------------ identity
     model_type: str = "deepseek_v3"
-    """``deepseek_v3`` (or ``deepseek_mtp``); anything else is an error."""
+    """The model family: ``deepseek_v3`` (or ``deepseek_mtp``), ``qwen3_moe`` (Qwen3-MoE) or ``glm4_moe``
+    (GLM-4-MoE); anything else is an error. A family sets the defaults of the fields its section leaves
+    out (``lit_moe.model.families.FAMILY_DEFAULTS``, README "Model families")."""
     architectures: Any = None
-    """``DeepseekV3ForCausalLM`` (a string or a one-element list); informational."""
+    """``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Glm4MoeForCausalLM`` (a string or a
+    one-element list); informational."""
 
     # ------------------------------------------------------------------ sizes
     vocab_size: int = 129280
@@ -63,14 +67,20 @@ class DeepseekV3Config:
     num_attention_heads: int = 128
     """Attention heads."""
     num_key_value_heads: Optional[int] = None
-    """Accepted and ignored (Hugging Face compatibility: MLA has no key/value head groups, and HF's
-    DeepSeek-V3 configs carry a default of 128 whatever the head count)."""
+    """Grouped-query attention (``multi_latent_attention: False``): key/value heads, each shared by
+    ``num_attention_heads / num_key_value_heads`` query heads; None: one per query head. Accepted and
+    ignored with MLA (Hugging Face compatibility: MLA has no key/value head groups, and HF's DeepSeek-V3
+    configs carry a default of 128 whatever the head count)."""
     seq_length: int = 4096
     """Training sequence length (MindFormers); the default YaRN original length."""
 
     # ------------------------------------------------------------------ MLA
     multi_latent_attention: bool = True
-    """Only multi-head latent attention is implemented; False is an error."""
+    """True: multi-head latent attention (DeepSeek-V3). False: grouped-query attention
+    (``lit_moe/model/gqa.py``; Qwen3-MoE, GLM-4-MoE): ``q_proj``/``k_proj``/``v_proj``/``o_proj`` over
+    ``head_dim``-wide heads, ``num_key_value_heads`` key/value heads, per-head RMSNorm of q and k when
+    ``qk_layernorm``, biases on q/k/v when ``attention_bias``, rotate-half RoPE on the first
+    ``partial_rotary_factor`` of each head; the MLA fields below are then unused."""
     q_lora_rank: Optional[int] = 1536
     """Rank of the query down-projection; None or 0 for a direct ``q_proj``."""
     kv_lora_rank: int = 512
@@ -82,12 +92,15 @@ class DeepseekV3Config:
     v_head_dim: int = 128
     """Per-head value dims; at most ``qk_nope_head_dim + qk_rope_head_dim``."""
     qk_layernorm: bool = True
-    """RMSNorm on the q and kv latents (DeepSeek-V3: True). False: identity (not exportable to HF). A
+    """RMSNorm on the q and kv latents (DeepSeek-V3: True). False: identity (not exportable to HF). With
+    grouped-query attention: per-head RMSNorm of q and k before the rotary encoding (Qwen3's
+    ``q_norm``/``k_norm``; Hugging Face GLM-4-MoE's ``use_qk_norm``). A
     ``pynative.yaml`` section without the key gets MindFormers' default, False (its ``TransformerConfig``)."""
     mla_qkv_concat: bool = True
     """Accepted (a MindFormers weight-layout option); the projections are kept separate here."""
     attention_bias: bool = False
-    """Biases in the attention projections: not supported (DeepSeek-V3 has none)."""
+    """Biases in the q/k/v projections (MindFormers: ``add_qkv_bias``): grouped-query attention only
+    (GLM-4.5 has them); MLA has none."""
     add_bias_linear: bool = False
     """Biases in linear layers: not supported (DeepSeek-V3 has none)."""
     use_flash_attention: bool = True
@@ -114,6 +127,15 @@ class DeepseekV3Config:
     """Which layers use the window when ``window_size`` is set. int N: every N-th layer (N-1, 2N-1, ...)
     is full attention, the others sliding-window; a list of 0/1 per decoder layer (1 = sliding window,
     0 = full; MTP layers copy the last entry unless the list covers them too). None: all layers slide."""
+
+    # ------------------------------------------------------------------ grouped-query attention
+    head_dim: Optional[int] = None
+    """Grouped-query attention: width of each q/k/v head; None: ``hidden_size // num_attention_heads``.
+    Accepted and unused with MLA (Hugging Face's DeepSeek-V3 config.json carries qk_rope_head_dim in it)."""
+    partial_rotary_factor: float = 1.0
+    """Grouped-query attention: the fraction of each q/k head's dims that are rotated (the leading
+    ``int(head_dim * factor)`` dims, rotate-half pairs as in Hugging Face; the rest pass unrotated).
+    GLM-4-MoE: 0.5; Qwen3-MoE: 1. Unused with MLA (``qk_rope_head_dim`` sets its rotary dims)."""
 
     # ------------------------------------------------------------------ position encoding
     position_embedding_type: str = "rope"
@@ -274,11 +296,12 @@ class DeepseekV3Config:
         qk_head_dim = kwargs.pop("qk_head_dim", None)
         values = resolve_keys(kwargs, {f.name for f in dataclasses.fields(self)})
         hints = typing.get_type_hints(type(self))
+        family = FAMILY_DEFAULTS.get(values.get("model_type", (None, None))[1], {})
         for f in dataclasses.fields(self):
             if f.name in values:
                 value = check_type(values[f.name][0], values[f.name][1], hints[f.name])
             else:
-                value = f.default
+                value = family.get(f.name, f.default)
             object.__setattr__(self, f.name, value)
         normalise(self)
         validate(self)
@@ -291,8 +314,28 @@ class DeepseekV3Config:
     # ------------------------------------------------------------------ derived
     @property
     def qk_head_dim(self) -> int:
-        """Per-head query/key width d_qk = nope + rope dims (Hugging Face meaning)."""
+        """Per-head query/key width d_qk = nope + rope dims (Hugging Face meaning); ``gqa_head_dim``
+        with grouped-query attention."""
+        if not self.multi_latent_attention:
+            return self.gqa_head_dim
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def gqa_head_dim(self) -> int:
+        """Grouped-query attention: the width of one q/k/v head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Grouped-query attention: key/value heads."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per q/k head: ``qk_rope_head_dim`` (MLA) or ``int(head_dim * partial_rotary_factor)``."""
+        if self.multi_latent_attention:
+            return self.qk_rope_head_dim
+        return int(self.gqa_head_dim * self.partial_rotary_factor)
 
     @property
     def total_layers(self) -> int:

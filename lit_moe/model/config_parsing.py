@@ -11,12 +11,13 @@ from __future__ import annotations
 import ast
 import math
 import typing
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 
 from lit_moe.config import GRAPH_MODEL_BLOCK, NO_EFFECT_KEYS, ConfigError, suggest
 from lit_moe.ops.activation import SUPPORTED_ACTIVATIONS, SUPPORTED_GELU_APPROXIMATE
+from lit_moe.model.families import ARCHITECTURES
 from lit_moe.ops.norm import SUPPORTED_NORMS
 
 POSITION_EMBEDDING_TYPES = ("rope", "yarn", "none", "learned_absolute")
@@ -128,10 +129,11 @@ def validate(cfg: Any) -> None:
     def fail(name: str, msg: str) -> None:
         raise ConfigError(f"model.{name}: {getattr(cfg, name)!r} {msg}")
 
-    if cfg.model_type not in ("deepseek_v3", "deepseek_mtp"):
-        fail("model_type", "is not supported; supported: 'deepseek_v3', 'deepseek_mtp'")
-    if cfg.architectures not in (None, "DeepseekV3ForCausalLM"):
-        fail("architectures", "is not supported; supported: 'DeepseekV3ForCausalLM'")
+    if cfg.model_type not in ARCHITECTURES:
+        fail("model_type", "is not supported; supported: " + ", ".join(map(repr, ARCHITECTURES)))
+    if cfg.architectures not in (None, ARCHITECTURES[cfg.model_type]):
+        fail("architectures", f"is not the architecture of model_type {cfg.model_type!r}: "
+             f"{ARCHITECTURES[cfg.model_type]!r}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                  "v_head_dim", "seq_length", "max_position_embeddings", "num_experts_per_tok"):
@@ -141,12 +143,13 @@ def validate(cfg: Any) -> None:
         fail("qk_rope_head_dim", "must be a non-negative even number (rotary pairs)")
     if cfg.q_lora_rank is not None and cfg.q_lora_rank < 0:
         fail("q_lora_rank", "must be None, 0 or positive")
-    if cfg.v_head_dim > cfg.qk_head_dim:
-        fail("v_head_dim", f"must not exceed qk_nope_head_dim + qk_rope_head_dim ({cfg.qk_head_dim})")
-    if not cfg.multi_latent_attention:
-        fail("multi_latent_attention", "is not supported: only multi-latent attention is implemented")
-    if cfg.attention_bias:
-        fail("attention_bias", "is not supported: DeepSeek-V3 projections have no bias")
+    if cfg.multi_latent_attention:
+        if cfg.v_head_dim > cfg.qk_head_dim:
+            fail("v_head_dim", f"must not exceed qk_nope_head_dim + qk_rope_head_dim ({cfg.qk_head_dim})")
+        if cfg.attention_bias:
+            fail("attention_bias", "is not supported with multi-latent attention (its projections have no bias)")
+    else:
+        validate_gqa(cfg, fail)
     if cfg.add_bias_linear:
         fail("add_bias_linear", "is not supported: DeepSeek-V3 linear layers have no bias")
     if not cfg.gated_linear_unit:
@@ -180,7 +183,7 @@ def validate(cfg: Any) -> None:
             cfg.max_position_embeddings < cfg.seq_length:
         fail("max_position_embeddings", f"rows of the learned position table are fewer than seq_length "
              f"{cfg.seq_length} (position ids go up to seq_length - 1)")
-    if cfg.position_embedding_type in ("rope", "yarn") and cfg.qk_rope_head_dim == 0:
+    if cfg.position_embedding_type in ("rope", "yarn") and cfg.multi_latent_attention and cfg.qk_rope_head_dim == 0:
         fail("qk_rope_head_dim", f"must be > 0 with position_embedding_type {cfg.position_embedding_type!r}")
     if cfg.position_embedding_type == "yarn":
         if cfg.scaling_factor < 1:
@@ -272,6 +275,23 @@ def validate(cfg: Any) -> None:
         fail("mtp_loss_scaling_factor", "must be >= 0")
 
 
+def validate_gqa(cfg: Any, fail: Callable[[str, str], None]) -> None:
+    """The rules of grouped-query attention (``multi_latent_attention: False``)."""
+    if cfg.num_key_value_heads is not None and (cfg.num_key_value_heads < 1
+                                                or cfg.num_attention_heads % cfg.num_key_value_heads):
+        fail("num_key_value_heads", f"must be >= 1 and divide num_attention_heads ({cfg.num_attention_heads})")
+    if cfg.head_dim is not None and cfg.head_dim < 1:
+        fail("head_dim", "must be None or >= 1")
+    if not 0.0 < cfg.partial_rotary_factor <= 1.0:
+        fail("partial_rotary_factor", "must be in (0, 1]")
+    if cfg.position_embedding_type in ("rope", "yarn") and (cfg.rotary_dim < 2 or cfg.rotary_dim % 2):
+        fail("partial_rotary_factor", f"rotates {cfg.rotary_dim} dims of head_dim {cfg.gqa_head_dim}; it must "
+             "be a positive even number (rotary pairs)")
+    if cfg.position_embedding_type == "yarn":
+        fail("position_embedding_type", "is not supported with grouped-query attention (YaRN is implemented "
+             "with DeepSeek-V3's attention scale); use 'rope'")
+
+
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +299,7 @@ _ROPE_DICT_KEYS = {
     "factor": "scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
     "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
     "mscale_all_dim": "mscale_all_dim", "rope_theta": "rope_theta",
+    "partial_rotary_factor": "partial_rotary_factor",
 }
 
 

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_moe.model.attention import AttentionContext, MLAttention
+from lit_moe.model.attention import AttentionContext
 from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.gqa import build_attention
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.ops import build_norm
 
@@ -27,7 +28,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = block_norm(config, config.hidden_size, dtype)
-        self.self_attention = MLAttention(config, layer_idx, dtype=dtype)
+        self.self_attention = build_attention(config, layer_idx, dtype=dtype)
         self.pre_mlp_layernorm = block_norm(config, config.hidden_size, dtype)
         if config.is_moe_layer(layer_idx):
             self.mlp: nn.Module = MoE(config, dtype=dtype)

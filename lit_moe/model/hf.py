@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
+from lit_moe.model import hf_families
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.names import canonical_name, spelled
 
@@ -74,7 +75,13 @@ def export_problems(config: DeepseekV3Config) -> list[str]:
 
 
 def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face DeepSeek-V3 model (plus our full config under ``lit_moe``)."""
+    """The ``config.json`` of a Hugging Face DeepSeek-V3 model (plus our full config under ``lit_moe``);
+    the other families' in ``lit_moe.model.hf_families``."""
+    if config.model_type in hf_families.FAMILIES:
+        problems = hf_families.export_problems(config)
+        if problems:
+            raise HFCheckpointError(f"cannot write a Hugging Face {config.model_type} checkpoint: " + "; ".join(problems))
+        return hf_families.hf_config_dict(config, dtype)
     problems = export_problems(config)
     if problems:
         raise HFCheckpointError("cannot write a Hugging Face DeepSeek-V3 checkpoint: " + "; ".join(problems))
@@ -144,9 +151,15 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
     if hf.get("rope_interleave") is False:
         raise HFCheckpointError("config.json: rope_interleave=False is not supported (DeepSeek weights rotate "
                                 "interleaved pairs)")
-    if hf.get("model_type") not in (None, "deepseek_v3"):
-        raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r}, expected 'deepseek_v3'")
-    base = dict(hf["lit_moe"]) if isinstance(hf.get("lit_moe"), dict) else dict(hf)
+    if hf.get("model_type") not in (None, "deepseek_v3", *hf_families.FAMILIES):
+        raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r}, expected one of "
+                                + ", ".join(map(repr, ("deepseek_v3", *hf_families.FAMILIES))))
+    if isinstance(hf.get("lit_moe"), dict):
+        base = dict(hf["lit_moe"])
+    elif hf.get("model_type") in hf_families.FAMILIES:
+        base = hf_families.section_from_hf(hf)
+    else:
+        base = dict(hf)
     base.update(overrides)
     return DeepseekV3Config(**base)
 
@@ -161,12 +174,16 @@ _EXPERTS = re.compile(r"^(.+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _WHOLE: Slicer = lambda t: t  # noqa: E731
 
 
-def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int) -> list[tuple[str, Slicer]]:
+def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int,
+            config: Optional[DeepseekV3Config] = None) -> list[tuple[str, Slicer]]:
     """Hugging Face keys (with views) that hold our tensor ``name`` (canonical name): its Hugging Face
-    spelling (``lit_moe.model.names``, the one name map), the merged expert tensors split per expert."""
+    spelling (``lit_moe.model.names``, the one name map), the merged expert tensors split per expert.
+    With ``config`` of a family whose routers have no expert bias (Qwen3-MoE), none for the bias."""
     top_level = name in ("embed_tokens.weight", "norm.weight", "lm_head.weight")
     if not (top_level or _LAYER.match(name) or _MTP.match(name)):
         raise HFCheckpointError(f"{name}: no Hugging Face DeepSeek-V3 equivalent")
+    if config is not None and name.endswith(".router.expert_bias") and not hf_families.exports_expert_bias(config):
+        return []
     experts = _EXPERTS.match(name)
     if experts is None:
         return [(spelled(name, "huggingface", num_hidden_layers), _WHOLE)]
@@ -234,7 +251,7 @@ def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
     tensors: dict[str, torch.Tensor] = {}
     for name, t in _canonical_tensors(model):
         tensors[name] = t
-        for hf_key, view in hf_keys(name, t.shape, L):
+        for hf_key, view in hf_keys(name, t.shape, L, config):
             keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
             out_dtype = t.dtype if (dtype is None or keep_fp32) else dtype
             numel = view(torch.empty(t.shape, device="meta")).numel()
@@ -364,7 +381,7 @@ def load_pretrained(directory: Union[str, os.PathLike], model_cls: type, device:
     merged_cache: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, param in _canonical_tensors(model):
-            for hf_key, view in hf_keys(name, param.shape, config.num_hidden_layers):
+            for hf_key, view in hf_keys(name, param.shape, config.num_hidden_layers, config):
                 target = view(param)
                 if hf_key in available:
                     src = reader.get(hf_key)

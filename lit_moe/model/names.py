@@ -50,6 +50,7 @@ SPELLINGS = ("lit_moe", "mindformers", "mindformers_megatron", "huggingface")
 
 # (lit_moe component(s), {tree: replacement}); a tree not listed keeps lit_moe's spelling. Matched on
 # whole dotted components, applied in order, to full names and to paths inside a decoder layer.
+_MF_TREES = ("mindformers", "mindformers_megatron")
 _LAYER_RULES: tuple[tuple[str, dict[str, str]], ...] = (
     ("self_attention.q_a_proj", {"mindformers": "self_attention.linear_qkv",
                                  "mindformers_megatron": "self_attention.linear_q_down_proj"}),
@@ -67,6 +68,11 @@ _LAYER_RULES: tuple[tuple[str, dict[str, str]], ...] = (
                                   "mindformers_megatron": "self_attention.linear_kv_up_proj"}),
     ("self_attention.o_proj", {"mindformers": "self_attention.linear_proj",
                                "mindformers_megatron": "self_attention.linear_proj"}),
+    # grouped-query attention (Qwen3-MoE, GLM-4-MoE): MindFormers' GPT attention fuses q/k/v in linear_qkv
+    ("self_attention.k_proj", dict.fromkeys(_MF_TREES, "self_attention.linear_qkv")),
+    ("self_attention.v_proj", dict.fromkeys(_MF_TREES, "self_attention.linear_qkv")),
+    ("self_attention.q_norm", dict.fromkeys(_MF_TREES, "self_attention.q_layernorm")),
+    ("self_attention.k_norm", dict.fromkeys(_MF_TREES, "self_attention.k_layernorm")),
     ("self_attention", {"huggingface": "self_attn"}),
     ("pre_mlp_layernorm", {"huggingface": "post_attention_layernorm"}),
     ("mlp.router.expert_bias", {"mindformers": "mlp.expert_bias",

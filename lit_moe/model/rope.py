@@ -2,7 +2,7 @@
 
 Conventions follow DeepSeek-V3 as Hugging Face implements it (``_compute_yarn_parameters``):
 
-- base frequencies theta_i = base^(-2i/d) for the d = ``qk_rope_head_dim`` rotary dims;
+- base frequencies theta_i = base^(-2i/d) for the d = ``rotary_dim`` rotary dims (``qk_rope_head_dim`` with MLA);
 - YaRN: correction dims D(r) = d ln(L0 / (2 pi r)) / (2 ln base), low = floor(D(beta_fast)),
   high = ceil(D(beta_slow)) clamped to [0, d-1]; ramp rho_i = clamp((i - low)/(high - low), 0, 1);
   theta'_i = theta_i (1 - rho_i) + theta_i / s * rho_i  (L0 = ``original_max_position_embeddings``);
@@ -43,7 +43,7 @@ def yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: fl
 def rope_inv_freq(config: DeepseekV3Config, device: torch.device | str | None = None
                   ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[d/2]`` (fp32) and the cos/sin magnitude factor."""
-    dim, base = config.qk_rope_head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
     pos_freqs = base ** exponents
     if config.position_embedding_type != "yarn":

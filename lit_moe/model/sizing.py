@@ -60,6 +60,11 @@ def _norm(c: DeepseekV3Config, dim: int) -> int:
 
 def _attention_params(c: DeepseekV3Config) -> int:
     h, n = c.hidden_size, c.num_attention_heads
+    if not c.multi_latent_attention:   # grouped-query attention
+        d, kv = c.gqa_head_dim, c.kv_heads
+        bias = (n + 2 * kv) * d if c.attention_bias else 0
+        qk_norms = 2 * _norm(c, d) if c.qk_layernorm else 0
+        return h * (n + 2 * kv) * d + bias + qk_norms + n * d * h
     latent_norm = _norm(c, c.kv_lora_rank) if c.qk_layernorm else 0
     if c.q_lora_rank is None:
         q = h * n * c.qk_head_dim
@@ -111,6 +116,10 @@ def _effective_span(c: DeepseekV3Config, layer: int, seq_len: int) -> float:
 def _layer_flops(c: DeepseekV3Config, i: int, seq_len: int) -> float:
     h, n = c.hidden_size, c.num_attention_heads
     r_kv = c.kv_lora_rank
+    if not c.multi_latent_attention:   # grouped-query attention: projections, then scores and values
+        d = c.gqa_head_dim
+        flops = 6.0 * h * (2 * n + 2 * c.kv_heads) * d + 6.0 * n * d * _effective_span(c, i, seq_len)
+        return flops + _ffn_flops(c, i)
     if c.q_lora_rank is None:
         q = h * n * c.qk_head_dim
     else:
@@ -118,11 +127,14 @@ def _layer_flops(c: DeepseekV3Config, i: int, seq_len: int) -> float:
     kv = r_kv * (h + n * (c.qk_nope_head_dim + c.v_head_dim) + 1) + h * c.qk_rope_head_dim
     flops = 6.0 * (q + kv + n * c.v_head_dim * h)
     flops += 6.0 * (n * c.qk_head_dim / 2 + n * c.v_head_dim / 2) * _effective_span(c, i, seq_len)
+    return flops + _ffn_flops(c, i)
+
+
+def _ffn_flops(c: DeepseekV3Config, i: int) -> float:
+    h = c.hidden_size
     if c.is_moe_layer(i):
-        flops += 6.0 * h * 3 * (c.moe_intermediate_size * c.num_experts_per_tok + c.shared_expert_intermediate_size)
-    else:
-        flops += 6.0 * h * 3 * c.intermediate_size
-    return flops
+        return 6.0 * h * 3 * (c.moe_intermediate_size * c.num_experts_per_tok + c.shared_expert_intermediate_size)
+    return 6.0 * h * 3 * c.intermediate_size
 
 
 def flops_per_token(config: Union[DeepseekV3Config, dict], seq_len: int, training: bool = True) -> float:

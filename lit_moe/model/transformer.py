@@ -27,7 +27,7 @@ from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
 from lit_moe.model.names import canonical_name
-from lit_moe.ops import LayerNorm, LMHead, RMSNorm
+from lit_moe.ops import LayerNorm, Linear, LMHead, RMSNorm
 
 
 @dataclass
@@ -104,7 +104,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
-        """N(0, initializer_range) for linear, embedding, router and expert weights; norms 1/0;
+        """N(0, initializer_range) for linear, embedding, router and expert weights; norms 1/0, linear biases 0;
         buffers (expert bias, counters) 0. Each parameter draws from its own generator seeded by
         ``(seed, name)``, so values do not depend on sharding, device or construction order. For a
         DTensor the full tensor is generated and the local shard kept."""
@@ -114,6 +114,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             for pname, p in mod.named_parameters(recurse=False):
                 if isinstance(mod, (RMSNorm, LayerNorm)):
                     p.fill_(1.0 if pname == "weight" else 0.0)
+                    continue
+                if pname == "bias" and isinstance(mod, Linear):   # GQA's q/k/v biases start at 0
+                    p.zero_()
                     continue
                 name = canonical_name(f"{mod_name}.{pname}" if mod_name else pname)
                 _normal_by_name(p, std, _param_seed(seed, name))

@@ -3,7 +3,7 @@ and ``fused_linear``, several of them over one input as one GEMM.
 
 Parameters are kept in ``params_dtype`` (fp32 master weights) while activations flow in
 ``compute_dtype``; when FSDP2's mixed-precision policy has already cast the weight, the cast is a
-no-op. No bias: DeepSeek-V3 has none.
+no-op. No bias unless asked for (DeepSeek-V3 has none; GLM-4-MoE's q/k/v projections do).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from torch.distributed.tensor import DTensor
 
 
 class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, device=None):
-        super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device)
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, device=None,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
     def reset_parameters(self) -> None:
         # Real initialisation is the model's init_weights (layout-independent, seeded by name);
@@ -24,13 +25,15 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        if self.bias is None:
+            return F.linear(x, self.weight.to(x.dtype))
+        return F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
 
 
 def _plain(linear: nn.Module) -> bool:
     """A bare ``Linear`` whose weight is a plain tensor: no hooks (tensor parallel swaps in local
     shards, recompute or a user hooks the call) and no ``forward`` replaced on the instance."""
-    return (type(linear) is Linear and not isinstance(linear.weight, DTensor)
+    return (type(linear) is Linear and linear.bias is None and not isinstance(linear.weight, DTensor)
             and not (linear._forward_hooks or linear._forward_pre_hooks) and "forward" not in linear.__dict__)
 
 

@@ -23,11 +23,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """
     in_dtype = x.dtype
     x = x.to(cos.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return _rotate(x, x[..., 0::2], x[..., 1::2], cos, sin, use_fused).to(in_dtype)
+
+
+def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      use_fused: bool | None = None) -> torch.Tensor:
+    """Rotate the leading ``2 * cos.shape[-1]`` dims of ``x [..., d]`` as rotate-half pairs
+    ``(x[i], x[i + r/2])`` (Llama / Qwen3 / GLM-4 weights, Hugging Face's ``rotate_half``); the other
+    dims (partial rotary) pass unchanged."""
+    in_dtype = x.dtype
+    half = cos.shape[-1]
+    rot, rest = x[..., :2 * half].to(cos.dtype), x[..., 2 * half:]
+    out = _rotate(rot, rot[..., :half], rot[..., half:], cos, sin, use_fused).to(in_dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _rotate(x: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            use_fused: bool | None) -> torch.Tensor:
+    """[x1 cos - x2 sin | x2 cos + x1 sin] (rotate-half form; ``x`` picks the device's kernel)."""
     npu = npu_ops(x) if use_fused is not False else None
     if npu is not None:
         out = npu.npu_rotary_mul(torch.cat([x1, x2], dim=-1), torch.cat([cos, cos], dim=-1),
                                  torch.cat([sin, sin], dim=-1))
     else:
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(in_dtype)
+    return out

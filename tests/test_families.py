@@ -1,0 +1,123 @@
+"""The Qwen3-MoE and GLM-4-MoE families (grouped-query attention, softmax / sigmoid routers) against
+transformers' ``Qwen3MoeForCausalLM`` and ``Glm4MoeForCausalLM`` on the same weights, both directions of the
+Hugging Face layout, and the family's config rules."""
+
+import json
+
+import pytest
+import torch
+
+import transformers  # the judge
+
+from helpers import randomize_norms_and_biases
+from lit_moe.config import ConfigError
+from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+from lit_moe.model.hf import HFCheckpointError, hf_config_dict
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
+            first_k_dense_replace=1, seq_length=32, max_position_embeddings=256, compute_dtype="float32",
+            initializer_range=0.1, rope_theta=1e6)
+QWEN3 = dict(BASE, model_type="qwen3_moe", norm_topk_prob=True)
+GLM4 = dict(BASE, model_type="glm4_moe", n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+            attention_bias=True)
+HF_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+def ours_model(cfg):
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(cfg).eval()
+    randomize_norms_and_biases(m, seed=1)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("_proj.bias"):    # q/k/v biases start at 0: make them count
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        if not m.config.moe_router_enable_expert_bias:   # the buffer is never updated (nor exported) then
+            for moe in m.moe_layers():
+                moe.router.expert_bias.zero_()
+    return m
+
+
+def hf_load(cfg, path):
+    cls = getattr(transformers, HF_CLASS[cfg["model_type"]])
+    model, info = cls.from_pretrained(path, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def ids(seed=2):
+    return torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(seed))
+
+
+CASES = {
+    "qwen3_renorm": QWEN3,
+    "qwen3_plain_topk": dict(QWEN3, norm_topk_prob=False, first_k_dense_replace=0),
+    "glm4": GLM4,
+    "glm4_qk_norm": dict(GLM4, qk_layernorm=True, attention_bias=False, num_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    cfg = CASES[case]
+    m = ours_model(cfg)
+    m.save_pretrained(tmp_path)
+    hf = hf_load(cfg, tmp_path)
+    x = ids()
+    with torch.no_grad():
+        err = (m(x).logits - hf(x).logits).abs().max().item()
+    # measured 2.4e-6 (qwen3), 1.8e-6 (glm4); each planted bug of benchmarks/planted_bugs.py: > 1e-2
+    assert err <= 2e-5, err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_reads_a_checkpoint_written_by_transformers(tmp_path, family):
+    """transformers' own config.json (no lit_moe block) and weights → our model, same logits."""
+    cfg = QWEN3 if family == "qwen3_moe" else GLM4
+    hf_cfg = hf_config_dict(DeepseekV3Config(**cfg))
+    hf_cfg.pop("lit_moe")
+    config_cls = getattr(transformers, HF_CLASS[family].replace("ForCausalLM", "Config"))
+    torch.manual_seed(3)
+    hf = getattr(transformers, HF_CLASS[family])(config_cls(**hf_cfg)).eval()
+    randomize_norms_and_biases(hf, seed=4)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "lit_moe" not in written and written["model_type"] == family
+    ours = DeepseekV3ForCausalLM.from_pretrained(tmp_path, compute_dtype="float32").eval()
+    assert ours.config.model_type == family and not ours.config.multi_latent_attention
+    assert ours.config.first_k_dense_replace == 1 and ours.config.kv_heads == 2
+    x = ids(seed=4)
+    with torch.no_grad():
+        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 2e-5   # measured 2e-6
+
+
+def test_family_defaults_and_rules():
+    q = DeepseekV3Config(model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert (q.scoring_func, q.n_shared_experts, q.qk_layernorm, q.multi_latent_attention) == ("softmax", 0, True, False)
+    assert (q.gqa_head_dim, q.rotary_dim, q.qk_head_dim) == (16, 16, 16)
+    g = DeepseekV3Config(model_type="glm4_moe", hidden_size=64, num_attention_heads=4, head_dim=32)
+    assert (g.scoring_func, g.rotary_dim, g.kv_heads, g.first_k_dense_replace) == ("sigmoid", 16, 4, 1)
+    # a field the section gives wins over the family default
+    assert DeepseekV3Config(model_type="qwen3_moe", qk_layernorm=False).qk_layernorm is False
+    for bad, match in ((dict(num_key_value_heads=3), r"model\.num_key_value_heads: 3 must be >= 1 and divide"),
+                       (dict(position_embedding_type="yarn"), r"model\.position_embedding_type: 'yarn' is not supported"),
+                       (dict(partial_rotary_factor=0.125), r"model\.partial_rotary_factor: 0\.125 rotates 3 dims"),
+                       (dict(architectures="DeepseekV3ForCausalLM"), r"model\.architectures: .* 'Qwen3MoeForCausalLM'")):
+        with pytest.raises(ConfigError, match=match):
+            DeepseekV3Config(**{**QWEN3, **bad})
+    with pytest.raises(ConfigError, match=r"model\.attention_bias: True is not supported with multi-latent"):
+        DeepseekV3Config(attention_bias=True)
+
+
+def test_export_refuses_what_transformers_cannot_hold():
+    # MindFormers' Qwen3-30B-A3B config scales the combine weights by 1.5; Hugging Face's Qwen3-MoE cannot
+    with pytest.raises(HFCheckpointError, match=r"qwen3_moe checkpoint: model\.routed_scaling_factor: 1\.5"):
+        hf_config_dict(DeepseekV3Config(**{**QWEN3, "routed_scaling_factor": 1.5}))
+    with pytest.raises(ConfigError, match=r"config\.json: mlp_only_layers=\[1\] is not supported"):
+        from lit_moe.model.hf import config_from_hf
+        config_from_hf({**hf_config_dict(DeepseekV3Config(**QWEN3)), "lit_moe": None, "mlp_only_layers": [1]})
