@@ -202,6 +202,17 @@ BUGS: list[Bug] = [
     Bug("pp_losses_not_averaged", "PP", "lit_moe/strategies/pipeline.py",
         "return vec[:3] / A", "return vec[:3] / A * (1 + (A > 1))",
         ("tests/test_pipeline.py", "-k", "layout_matches")),
+    # ---------------------------------------------------------------- optimizer moments (memplan)
+    Bug("bf16_moments_kept_fp32", "optimizer moments", "lit_moe/optim.py",
+        "state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)",
+        "state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)",
+        ("tests/test_optim.py", "-k", "bf16_moments_follow")),
+    Bug("bf16_moments_fp32_after_resume", "optimizer moments", "lit_moe/optim.py",
+        "state[key] = state[key].to(dtype)", "state[key] = state[key]",
+        ("tests/test_optim.py", "-k", "bf16_moments_save_and_resume")),
+    Bug("stored_moments_no_bias_correction", "optimizer moments", "lit_moe/optim.py",
+        "value=-lr / bias_correction1)", "value=-lr)",
+        ("tests/test_optim.py", "-k", "stored_moments_in_float32")),
 ]
 
 

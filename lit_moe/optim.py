@@ -45,7 +45,7 @@ SUPPORTED_OPTIMIZERS = ("AdamW", "Muon")
 _COMMON_KEYS = ("type", "weight_decay", "weight_decay_include", "weight_decay_exclude", "foreach", "fused",
                 "use_fused", "enable_fused_opt", "enable_cpu_offload")
 _TYPE_KEYS = {
-    "AdamW": ("betas", "eps", "amsgrad", "maximize"),
+    "AdamW": ("betas", "eps", "amsgrad", "maximize", "exp_avg_dtype", "exp_avg_sq_dtype"),
     "Muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "matched_adamw_rms",
              "adamw_betas", "adamw_eps", "adamw_include", "qk_clip_enabled", "qk_clip_threshold"),
 }
@@ -60,6 +60,10 @@ _DEFAULT_EPS = 1e-8
 # MindFormers' own default (pynative/optimizer/muon.py ``_build_muon_filter``): its names for the
 # embedding and the output head, which match ``embed_tokens`` / ``lm_head`` through their spellings.
 _DEFAULT_ADAMW_INCLUDE = ("*word_embeddings*", "*output_layer*")
+# Megatron-Core's precision-aware optimizer names (MindFormers' PyNative AdamW keeps its moments in the
+# parameters' dtype and has no such key): the storage dtype of AdamW's first and second moments.
+MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "torch.float32": torch.float32,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -77,6 +81,8 @@ class OptimizerSettings:
     eps: float = _DEFAULT_EPS
     amsgrad: bool = False
     maximize: bool = False
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
     # Muon
     momentum: float = 0.95
     nesterov: bool = True
@@ -136,6 +142,31 @@ def _rules(section: dict, key: str, default: Iterable[str] = ()) -> list[str]:
     return list(value)
 
 
+def _moment_dtype(section: dict, key: str) -> torch.dtype:
+    value = section.get(key)
+    if value is None:
+        return torch.float32
+    name = str(value).strip().lower() if isinstance(value, (str, torch.dtype)) else None
+    if name not in MOMENT_DTYPES:
+        raise ConfigError(f"{_field(key)}: expected float32 or bfloat16 (fp32, bf16), got {value!r}")
+    return MOMENT_DTYPES[name]
+
+
+def low_precision_moments(settings: OptimizerSettings) -> bool:
+    """Whether AdamW keeps a moment in a dtype other than float32 (then :class:`AdamWStoredMoments`)."""
+    return settings.type == "AdamW" and (
+        settings.exp_avg_dtype != torch.float32 or settings.exp_avg_sq_dtype != torch.float32)
+
+
+def optimizer_state_bytes(name: str, param: torch.Tensor, settings: OptimizerSettings) -> int:
+    """Bytes of optimizer state per value of ``param``: Muon's momentum buffer (fp32), or AdamW's two
+    moments in their storage dtypes (``lit_moe plan``)."""
+    if settings.type == "Muon":
+        return 4 if uses_muon(name, param, settings) else 8
+    return (torch.empty((), dtype=settings.exp_avg_dtype).element_size()
+            + torch.empty((), dtype=settings.exp_avg_sq_dtype).element_size())
+
+
 def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSettings:
     """Check ``optimizer:`` and resolve its defaults; one-line :class:`ConfigError` on a bad value.
     Keys this optimizer does not read are named in one warning (the section allows extra keys)."""
@@ -166,6 +197,14 @@ def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSe
         s.eps = _float(section, "eps", _DEFAULT_EPS)
         s.amsgrad = bool(_bool(section, "amsgrad", False))
         s.maximize = bool(_bool(section, "maximize", False))
+        s.exp_avg_dtype = _moment_dtype(section, "exp_avg_dtype")
+        s.exp_avg_sq_dtype = _moment_dtype(section, "exp_avg_sq_dtype")
+        if low_precision_moments(s):
+            clash = [k for k in ("amsgrad", "maximize", "foreach", *fused) if _bool(section, k, False)]
+            if clash:
+                raise ConfigError(f"optimizer.{clash[0]}: not supported with bfloat16 moments "
+                                  "(exp_avg_dtype / exp_avg_sq_dtype); torch's fused and foreach kernels keep "
+                                  "every state in one dtype")
         return s
 
     # Muon. MindFormers passes the section's eps to Muon's Newton-Schulz (its default 1e-8) and runs the
@@ -359,6 +398,66 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------------------------
+# AdamW with moments stored in bfloat16
+# ----------------------------------------------------------------------------------------------
+class AdamWStoredMoments(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose moments are stored in ``exp_avg_dtype`` / ``exp_avg_sq_dtype``
+    (bfloat16 halves their 8 bytes per parameter), as Megatron-Core's precision-aware optimizer keeps
+    them: each step reads one parameter's moments into float32, applies torch's single-tensor AdamW
+    update in float32 (the same operations in the same order), and stores them back rounded to the
+    nearest storage value. The transient float32 copies are those of one parameter (shard) at a time.
+    Parameters stay fp32 masters. No fused or foreach kernel (torch's take one dtype for all states),
+    so a guarded skip is decided on the host (:func:`step_on_device`)."""
+
+    def __init__(self, params: Any, *, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype, **kwargs: Any):
+        super().__init__(params, foreach=False, fused=False, **kwargs)
+        self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every floating state to its parameter's dtype (fp32) on load: store them back
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key, dtype in self.moment_dtypes.items():
+                if key in state and state[key].dtype != dtype:
+                    state[key] = state[key].to(dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key, dtype in self.moment_dtypes.items():
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        grad = p.grad
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        state["exp_avg"].copy_(exp_avg)       # rounds to the storage dtype (no-op copy when float32)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+# ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
 def _fused_ok(groups: list[dict]) -> bool:
@@ -384,11 +483,16 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
     settings = validate_optimizer_section(optimizer_section)
     groups = param_groups(named_parameters, settings, learning_rate)
     kernels = {"foreach": settings.foreach, "fused": settings.fused}
-    if settings.type == "AdamW" and settings.fused is None and settings.foreach is None and _fused_ok(groups):
+    if (settings.type == "AdamW" and settings.fused is None and settings.foreach is None and _fused_ok(groups)
+            and not low_precision_moments(settings)):
         # torch's default on CPU is a per-parameter loop; the fused kernel cut the benchmark's step by
         # 7-10% (benchmarks/README.md); it also skips a step on the device (``found_inf``).
         kernels["fused"] = True
-    if settings.type == "AdamW":
+    if low_precision_moments(settings):
+        optimizer = AdamWStoredMoments(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
+                                       weight_decay=settings.weight_decay, exp_avg_dtype=settings.exp_avg_dtype,
+                                       exp_avg_sq_dtype=settings.exp_avg_sq_dtype)
+    elif settings.type == "AdamW":
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
                                       weight_decay=settings.weight_decay, amsgrad=settings.amsgrad,
                                       maximize=settings.maximize, **kernels)

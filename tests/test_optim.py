@@ -460,3 +460,122 @@ def test_device_lambda_lr_host_view_follows_the_schedule_without_device_reads():
     assert host(sched) == host(ref_at_3) and sched.last_epoch == 3
     sched.advance()                                   # known applied (no skip guard)
     assert host(sched) == host(ref) and sched.state_dict()["last_epoch"] == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 moments (exp_avg_dtype / exp_avg_sq_dtype)
+# ----------------------------------------------------------------------------------------------
+BF16_MOMENTS = {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bfloat16"}
+
+
+def _tiny_deepseek(seed=0):
+    from test_checkpoint_hf import TINY
+
+    from helpers import randomize_norms_and_biases
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY))
+    randomize_norms_and_biases(model, seed=seed)
+    return model
+
+
+def _train(section, steps, lr=3e-3):
+    model = _tiny_deepseek()
+    opt = build_optimizer(model.named_parameters(), section, lr)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 96, (2, 17), generator=g)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(tokens[:, :-1], labels=tokens[:, 1:])
+        (out.loss + 0.3 * out.mtp_loss).backward()
+        losses.append(out.loss.item())
+        opt.step()
+    return model, opt, losses
+
+
+def test_stored_moments_in_float32_are_torch_adamw_exactly():
+    """The bf16-moment optimizer's update is torch's: with float32 storage it gives torch's AdamW bit for bit."""
+    from lit_moe.optim import AdamWStoredMoments
+
+    torch.manual_seed(0)
+    ref, ours = Tiny(), Tiny()
+    ours.load_state_dict(ref.state_dict())
+    settings = validate_optimizer_section({"weight_decay": 0.1})
+    opt_ref = torch.optim.AdamW(param_groups(ref.named_parameters(), settings, 0.01), lr=0.01, betas=settings.betas,
+                                eps=settings.eps, foreach=False)
+    opt = AdamWStoredMoments(param_groups(ours.named_parameters(), settings, 0.01), lr=0.01, betas=settings.betas,
+                             eps=settings.eps, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    for s in range(4):
+        for model, o in ((ref, opt_ref), (ours, opt)):
+            grads_for(model, s)
+            o.step()
+    for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_bf16_moments_follow_fp32_moments_on_the_tiny_model():
+    """20 AdamW steps of the tiny DeepSeek-V3 (MTP, MoE) on one batch: bf16 moments against fp32 moments.
+    Measured: largest loss difference 1.9e-4 (losses 4.53 -> 2.27), largest parameter difference 6.6e-4
+    (updates of up to 0.06)."""
+    steps = 20
+    ref, _, ref_losses = _train({"fused": False}, steps)
+    model, opt, losses = _train(BF16_MOMENTS, steps)
+    assert {st[k].dtype for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    assert ref_losses[-1] < ref_losses[0] - 1.0          # it trains: the comparison means something
+    diffs = [abs(a - b) for a, b in zip(ref_losses, losses)]
+    assert max(diffs) < 2e-3, diffs
+    assert diffs[-1] > 0                                   # the moments really are stored in bf16
+    worst = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    assert worst < 6e-3, worst
+
+
+def test_bf16_moments_save_and_resume_exactly(tmp_path):
+    """Saved with lit_moe's checkpoint writer after 2 steps, loaded by ``load_optimizers`` into a fresh
+    optimizer: the moments stay bf16 and 2 more steps equal the run that did not stop."""
+    from lit_moe.checkpoint.comm import Comm
+    from lit_moe.checkpoint.iteration import (IterationReader, SaveJob, fqn_optimizer_state, load_optimizers,
+                                              make_common, prepare, split_optimizer_state, write_and_commit)
+    from lit_moe.checkpoint.sharded import pieces_of
+
+    torch.manual_seed(0)
+    model_a = Tiny()
+    opt_a = build_optimizer(model_a.named_parameters(), BF16_MOMENTS, 1e-2)
+    for s in range(2):
+        grads_for(model_a, s)
+        opt_a.step()
+    osd = fqn_optimizer_state(opt_a.state_dict(), opt_a, model_a)
+    tensors, other = split_optimizer_state(0, osd)
+    comm = Comm(None)
+    groups = [[dict(g) for g in osd["param_groups"]]]
+    prepare(comm, tmp_path, 2)
+    path = write_and_commit(comm, SaveJob(tmp_path, 2, "x", pieces_of(model_a.state_dict()), pieces_of(tensors),
+                                          other, rng_json="{}",
+                                          common=make_common(2, 1, "x", True, optimizers=groups)))
+
+    model_b = Tiny()
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b = build_optimizer(model_b.named_parameters(), BF16_MOMENTS, 1e-2)
+    load_optimizers(model_b, [opt_b], IterationReader(path))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt_b.state[pb][key].dtype == torch.bfloat16
+            assert torch.equal(opt_a.state[pa][key], opt_b.state[pb][key]), key
+    for s in range(2, 4):
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            grads_for(model, s)
+            opt.step()
+    for (n, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb), n
+
+
+@pytest.mark.parametrize("section, shown", [
+    ({"exp_avg_dtype": "float16"}, "optimizer.exp_avg_dtype"),
+    ({"exp_avg_sq_dtype": 3}, "optimizer.exp_avg_sq_dtype"),
+    ({**BF16_MOMENTS, "fused": True}, "optimizer.fused"),
+    ({**BF16_MOMENTS, "amsgrad": True}, "optimizer.amsgrad"),
+])
+def test_bad_moment_dtypes(section, shown):
+    with pytest.raises(ConfigError, match=shown):
+        validate_optimizer_section(section)

@@ -67,10 +67,9 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
     these parameters (a pipeline rank's stages)."""
     from torch.distributed.tensor import DTensor
 
-    from lit_moe.optim import uses_muon, validate_optimizer_section
+    from lit_moe.optim import optimizer_state_bytes, validate_optimizer_section
 
     settings = validate_optimizer_section(optimizer_section or {"type": "AdamW"})
-    is_muon = getattr(settings, "type", "AdamW") == "Muon"
     out = {"params": 0, "grads": 0, "optimizer": 0, "unsharded_grads": 0, "params_numel": 0}
     fsdp_sizes = _fsdp_shard_sizes(model)
     for name, p in model.named_parameters():
@@ -81,8 +80,7 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
         out["params_numel"] += n
         out["params"] += n * p.element_size()
         out["grads"] += n * 4
-        states = 1 if (is_muon and uses_muon(name, p, settings)) else 2
-        out["optimizer"] += n * 4 * states
+        out["optimizer"] += n * optimizer_state_bytes(name, p, settings)
         out["unsharded_grads"] += n * 4 * fsdp_sizes.get(name, 1)
     return out
 
