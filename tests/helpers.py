@@ -100,6 +100,26 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, deadline: float, stream=
             return seen
 
 
+def _port_nobody_holds() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def retry_on_port_clash(launch, tries: int = 4) -> list[tuple[int, str]]:
+    """``launch(port)`` -> [(exit status, log)] for launchers that need a master port named up front
+    (torchrun's static rendezvous, srun's environment). The port is free when picked but another
+    process may take it before rank 0 binds it: such a launch is run again on a new port. Where no port
+    is needed, use a ``file://`` or in-memory store instead."""
+    for _ in range(tries - 1):
+        runs = launch(_port_nobody_holds())
+        if not any(code != 0 and ("EADDRINUSE" in log or "ddress already in use" in log) for code, log in runs):
+            return runs
+    return launch(_port_nobody_holds())
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does). ``timeout`` is
     for a quiet machine and is ``scaled``; a ``PYTHONPATH`` in ``env`` is added to the inherited one."""
