@@ -5,6 +5,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
+import start_counter  # noqa: E402  (tests/ is on sys.path, as for helpers)
+from helpers import scaled  # noqa: E402
+
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 
@@ -34,3 +37,28 @@ def one_process_strategy():
     yield AscendFSDPStrategy
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_configure(config):
+    """``LIT_MOE_COUNT_STARTS=1``: count every Python interpreter the suite starts (see
+    ``start_counter.py``); the count, per test file, is printed at the end."""
+    if os.environ.get("LIT_MOE_COUNT_STARTS") == "1":
+        start_counter.install()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("LIT_MOE_COUNT_STARTS") == "1":
+        for line in start_counter.summary():
+            terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """Each test's timeout (its ``timeout`` mark, else the ini's 600 s) is for a quiet machine: it is
+    ``scaled`` by the load when the test starts, before pytest-timeout reads it, so a correct test on a
+    busy machine is not killed."""
+    marker = item.get_closest_marker("timeout")
+    base = marker.args[0] if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
+    if base:
+        item.add_marker(pytest.mark.timeout(scaled(base)), append=False)
+    yield

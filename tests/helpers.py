@@ -48,12 +48,85 @@ def write_config(tmp_path: Path, cfg: dict, name: str = "config.yaml") -> Path:
     return path
 
 
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+def child_env(*paths: str | Path, **extra: str) -> dict:
+    """The environment for a child interpreter: this one's, unbuffered, one OMP thread, without the
+    launch variables an in-process Trainer may have left (a launch picks its own), with ``ROOT``, then
+    ``paths``, then the inherited ``PYTHONPATH`` (the suite's start counter lives there)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (ROOT, *paths, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` measured on a quiet machine, stretched by how busy this one is now: a wait that
+    includes interpreter start-up (8-30 s of imports on a loaded 2-core machine) must not fail a
+    correct run. The factor is the 1-minute load per core, at least 1 and at most 8."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(8.0, max(1.0, per_core))
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, deadline: float, stream=None) -> list[str]:
+    """Read ``proc``'s text stream (stdout unless given) until a line contains ``pattern``; return the
+    lines read. Fails (AssertionError with the lines so far) when ``deadline`` seconds pass first or the
+    stream ends: a reader thread does the blocking reads, so a silent child cannot hold the test."""
+    import queue
+    import threading
+    import time
+
+    stream = stream or proc.stdout
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no line with {pattern!r} within {deadline:.0f} s:\n" + "".join(seen[-40:]))
+        if line is None:
+            raise AssertionError(f"output ended without {pattern!r}:\n" + "".join(seen[-40:]))
+        seen.append(line)
+        if pattern in line:
+            return seen
+
+
+def _port_nobody_holds() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def retry_on_port_clash(launch, tries: int = 4) -> list[tuple[int, str]]:
+    """``launch(port)`` -> [(exit status, log)] for launchers that need a master port named up front
+    (torchrun's static rendezvous, srun's environment). The port is free when picked but another
+    process may take it before rank 0 binds it: such a launch is run again on a new port. Where no port
+    is needed, use a ``file://`` or in-memory store instead."""
+    for _ in range(tries - 1):
+        runs = launch(_port_nobody_holds())
+        if not any(code != 0 and ("EADDRINUSE" in log or "ddress already in use" in log) for code, log in runs):
+            return runs
+    return launch(_port_nobody_holds())
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+    """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does). ``timeout`` is
+    for a quiet machine and is ``scaled``; a ``PYTHONPATH`` in ``env`` is added to the inherited one."""
+    env = dict(env or {})
+    full_env = child_env(*[p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p], **env)
     return subprocess.run([sys.executable, "-m", "lit_moe.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def randomize_norms_and_biases(model, seed: int = 7) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, scaled
 
 SCRIPT = ROOT / "benchmarks" / "train_throughput.py"
 
@@ -81,7 +81,7 @@ def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--lit", "eager", "--steps", "2",
                            "--warmup", "1", "--threads", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=scaled(300), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "speed-up" in proc.stdout and "peak tensors" in proc.stdout
     res = json.loads(out.read_text())

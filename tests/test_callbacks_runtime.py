@@ -18,6 +18,7 @@ from lit_moe.callbacks import (CPUAffinity, GlobalNormSkipGuard, LoggerBridge, M
 from lit_moe.config import (AffinityConfig, ConfigError, ContextConfig, MonitorConfig, ProfilerConfig)
 
 from test_callbacks import FakeLitMoE, run
+from helpers import scaled  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +128,7 @@ AFFINITY_SCRIPT = textwrap.dedent("""
 def test_affinity_binds_process_and_data_workers():
     # In a subprocess: binding changes the whole process.
     script = AFFINITY_SCRIPT.format(tests=str(REPO / "tests"))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(120),
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

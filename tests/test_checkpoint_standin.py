@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import child_env, scaled, wait_for_line
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 TIMEOUT = 240
@@ -322,7 +324,7 @@ def evals(records: list[dict]) -> list[float]:
 
 
 def subprocess_env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return child_env(PYTHONWARNINGS="ignore")
 
 
 def tracker(path: Path) -> str:
@@ -377,15 +379,9 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, str(HERE), "--save-path", str(save), "--interval", "2",
                              "--max-steps", "8", "--kill-at-save", "4"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO))
-    stalled = None
     try:
-        deadline = time.time() + TIMEOUT
-        for line in proc.stdout:
-            if '"event": "stalled"' in line:
-                stalled = json.loads(line)
-                break
-            assert time.time() < deadline, "the stand-in never reached the save of step 4"
-        assert stalled is not None, proc.stderr.read()[-3000:]
+        # the stand-in prints one JSON line per event; it stalls inside step 4's save
+        stalled = json.loads(wait_for_line(proc, '"event": "stalled"', scaled(TIMEOUT))[-1])
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -628,7 +624,7 @@ def test_reshard_across_layouts_on_gloo(tmp_path):
     one process and back into FSDP2 with load_balanced: identical full weights, the same eval loss,
     and after a full resume the same loss on the next step as the uninterrupted run."""
     proc = subprocess.run([sys.executable, str(HERE), "--scenario", "reshard", "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(), cwd=str(REPO))
+                          capture_output=True, text=True, timeout=scaled(TIMEOUT), env=subprocess_env(), cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     # fit 1: steps 1-3 + eval, fit 2 (tp2): eval, fit 3 (balanced resume): step 4 + eval, fit 4: steps 1-4 + eval

@@ -254,9 +254,9 @@ def test_hostile_or_broken_yaml_is_one_line(tmp_path, capsys, text, words):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     tracemalloc.start()
-    t0 = time.perf_counter()
+    t0 = time.process_time()   # this process's CPU time: a busy machine does not inflate it
     code = main(["fit", "--config", str(path)])
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     err = capsys.readouterr().err.strip()
@@ -388,9 +388,9 @@ def test_model_that_cannot_fit_is_refused_before_allocation(tmp_path, capsys):
     import time
 
     cfg = _set(tiny_config(tmp_path), "model.vocab_size", 2_000_000_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()   # this process's CPU time: a busy machine does not inflate it
     line = _fit_error(tmp_path, capsys, cfg)
-    assert time.perf_counter() - t0 < 60
+    assert time.process_time() - t0 < 60
     assert "does not fit" in line and "lit_moe plan" in line and "available RAM" in line, line
     need, have = [float(x) for x in __import__("re").findall(r"([\d.]+) GiB", line)[:2]]
     assert need > have

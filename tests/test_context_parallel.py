@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, launch, model_section  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 DOC_ENDS = [11, 20, 32]          # documents cross the zig-zag chunk boundaries (chunks of 8 or 4)
 
@@ -370,7 +371,7 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path):
         assert cfg["model"]["num_nextn_predict_layers"] == 1
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "-m", "lit_moe.cli", "fit", "--config", str(write_config(run_dir, cfg)), "--trainer.accelerator", "cpu"]
-        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=500)
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=scaled(500))
         log = proc.stdout + proc.stderr
         assert proc.returncode == 0, log[-4000:]
         losses[world] = [float(m.group(3)) for m in step.finditer(log)]

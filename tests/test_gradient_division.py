@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, WORLD = 96, 16, 2
@@ -97,7 +98,7 @@ def layout_grads(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(Path(__file__).resolve()), "--worker", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300), cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 

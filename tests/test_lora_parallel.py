@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from test_parallel_numerics import model_section, train
+from helpers import scaled  # noqa: E402
 
 LORA = dict(target_modules=r"(q_a_proj|q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj|experts)$",
             lora_rank=4, lora_alpha=8, lora_b_std=0.02)
@@ -172,7 +173,7 @@ def launch_self(out: Path, names: list[str]) -> None:
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(__file__).resolve()), "--worker", str(out), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(root))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(400), cwd=str(root))
     if proc.returncode != 0:
         raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 

@@ -280,20 +280,14 @@ def test_lightning_accepts_the_muon_optimizer(tmp_path):
 # DTensor grouping (one process, world size 1)
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def gloo_world(monkeypatch):
-    import socket
-
+def gloo_world():
     import torch.distributed as dist
 
     if dist.is_initialized():
         yield
         return
-    with socket.socket() as s:  # a free port; the variables are restored after the test
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # an in-memory store: one rank needs no port (a port picked free can be taken before it is bound)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

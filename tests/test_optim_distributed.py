@@ -2,7 +2,6 @@
 (DTensor, Shard(0)) on two different meshes, against the same optimizer on plain tensors in one process."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -33,14 +32,14 @@ SECTIONS = {"adamw-foreach": {"type": "AdamW", "foreach": True, "weight_decay": 
             "muon": {"type": "Muon", "weight_decay": 0.1}}
 
 
-def _worker(rank, port, out_path):
+def _worker(rank, store_file, out_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file rendezvous: no port to pick (a port picked free can be taken before rank 0 binds it)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     try:
         dense = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
         experts = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "efsdp"))
@@ -65,16 +64,10 @@ def _worker(rank, port, out_path):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_sharded_matches_single_process(tmp_path):
     out = tmp_path / "full.pt"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="fork")
     got = torch.load(out, weights_only=True)
     for label, section in SECTIONS.items():
         ref = _reference(section)

@@ -21,6 +21,7 @@ import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
+from helpers import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -379,7 +380,7 @@ def _launch(world: int, out_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            __file__, "--worker", str(world), str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -476,7 +477,7 @@ def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "",
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]

@@ -12,6 +12,9 @@ import sys
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import scaled  # noqa: E402
+
 WORLD = 2
 
 
@@ -64,13 +67,13 @@ class Model(nn.Module):
         return x.pow(2).mean()
 
 
-def worker(rank: int, port: str):
+def worker(rank: int, store_file: str):
     import torch.distributed as dist
 
     from lit_moe.strategies.recompute import apply_recompute
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # a file rendezvous: no port to pick (a port picked free can be taken before rank 0 binds it)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     group = dist.group.WORLD
     calls = CALLS  # calls of the gather functions (each call is one collective on the 2 ranks)
@@ -181,20 +184,18 @@ def worker(rank: int, port: str):
 def test_comm_recompute_regathers_in_backward_two_ranks():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=scaled(180))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ranks ok" in r.stdout
 
 
 if __name__ == "__main__":
-    import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     import lit_moe.strategies.recompute  # noqa: F401  (imported once, inherited by the forked ranks)
 
-    mp.start_processes(worker, args=(port,), nprocs=WORLD, join=True, start_method="fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True, start_method="fork")
     print("ranks ok")

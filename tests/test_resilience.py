@@ -295,14 +295,13 @@ def test_kill_during_async_save_then_relaunch_continues(chain, tmp_path):
     marker = tmp_path / "stalled.txt"
     cfg = config(tmp_path, "run.yaml", checkpoint={"async_save": True},
                  callbacks=[("StallWrites", {"step": 4, "marker": str(marker)})])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(helpers.ROOT), str(TESTS)])
+    env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
     proc = subprocess.Popen([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
+        deadline = time.monotonic() + helpers.scaled(240)
         while not marker.exists():
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
             time.sleep(0.2)
         proc.kill()
         proc.wait(timeout=60)
@@ -373,13 +372,10 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
 
     cfg = config(tmp_path, "two.yaml", steps=6, callbacks=[("SignalAt", {"step": 3, "micro": 0, "rank": 1}),
                                                           ("SignalCollectives", {"path": str(tmp_path / "calls")})])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers.ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)
+    env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=helpers.scaled(360))
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "stopped by SIGTERM after step 3" in log, log[-4000:]
     assert (tmp_path / "ckpt" / "iteration_00000003").is_dir()
@@ -391,22 +387,23 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
-    """torchrun, 2 ranks, ``process_group_timeout_s: 20``; rank 1 takes 24 s to write its files (12 s before each of its two tensor files).
+    """torchrun, 2 ranks, ``process_group_timeout_s: 20``; rank 1 takes 1.2× the timeout to write its files (0.6× before each of its two tensor files; 20 s scaled by the load).
     Rank 0 waits for it for the timeout plus the checkpoint's bytes at the granted write rate (here
     1 kB/s, so ~2 MB gives ample time) instead of failing the save after 20 s."""
     import subprocess
 
+    # the timeout also bounds the start-up rendezvous: 20 s on a quiet machine, stretched on a busy
+    # one, and the slow writer with it (0.6 of the timeout before each of its two files)
+    timeout_s = round(helpers.scaled(20))
     cfg_path = config(tmp_path, "slow.yaml", steps=2,
-                      callbacks=[("SlowWriter", {"rank": 1, "seconds": 12, "floor": 1000.0})])
+                      callbacks=[("SlowWriter", {"rank": 1, "seconds": 0.6 * timeout_s, "floor": 1000.0})])
     cfg = helpers.yaml.safe_load(cfg_path.read_text())
-    cfg["parallelism"] = {"process_group_timeout_s": 20}
+    cfg["parallelism"] = {"process_group_timeout_s": timeout_s}
     cfg_path.write_text(helpers.yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers.ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)
+    env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "lit_moe.cli", "fit", "--config", str(cfg_path), *FLAGS, "--trainer.accelerator",
-                           "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+                           "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=helpers.scaled(360))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert tracker(tmp_path / "ckpt") == "2"

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, run_cli, tiny_config, write_config
+from helpers import ROOT, child_env, run_cli, scaled, tiny_config, write_config
 
 LORA = {"target_modules": r"(q_b_proj|o_proj|experts|shared_experts\.\w+_proj)$", "lora_rank": 4, "lora_alpha": 8,
         "lora_b_std": 0.01}
@@ -230,15 +230,14 @@ def test_console_on_a_terminal(tmp_path):
     cfg = tiny_config(tmp_path, steps=4)
     cfg["monitor"]["tensorboard"]["log_interval"] = 2
     path = write_config(tmp_path, cfg)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(COLUMNS="200")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))   # a 200-column terminal
     proc = subprocess.Popen([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path)], cwd=tmp_path,
                             env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
-    chunks, deadline = [], time.time() + 300
-    while time.time() < deadline:
+    chunks, deadline = [], time.monotonic() + scaled(300)
+    while time.monotonic() < deadline:
         ready, _, _ = select.select([master], [], [], 1.0)
         if ready:
             try:

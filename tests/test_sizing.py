@@ -10,10 +10,10 @@ from lit_moe.model.presets import DEEPSEEK_V3_671B, SEED_8CARD
 
 
 def test_seed_config_builds_on_meta_quickly_and_counts_like_hugging_face():
-    start = time.perf_counter()
+    start = time.process_time()   # this process's CPU time: a busy machine does not inflate it
     with torch.device("meta"):
         m = DeepseekV3ForCausalLM(SEED_8CARD)
-    assert time.perf_counter() - start < 30
+    assert time.process_time() - start < 30
     assert sum(p.numel() for p in m.parameters()) == 1_335_275_264
     assert param_counts(SEED_8CARD).total == 1_335_275_264
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 STEPS = 3
 GLOBAL = 8
@@ -201,7 +202,7 @@ def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> N
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
     if proc.returncode != 0:
         raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 

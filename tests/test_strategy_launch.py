@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import ROOT, tiny_config, write_config  # noqa: E402
+from helpers import ROOT, child_env, retry_on_port_clash, scaled, tiny_config, write_config  # noqa: E402
 
 STEP = re.compile(r"step (\d+)/(\d+) \| loss ([0-9.]+)")
 
@@ -36,20 +36,7 @@ class DieOnRankOne(Callback):
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # In-process Trainer tests leave Lightning's MASTER_PORT etc. in os.environ: launches pick their own.
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return child_env(ROOT / "tests")
 
 
 def _launch_all(cmds: list[tuple[list[str], dict]], cwd: Path | list[Path], timeout: float = 240
@@ -62,7 +49,7 @@ def _launch_all(cmds: list[tuple[list[str], dict]], cwd: Path | list[Path], time
     out = []
     try:
         for p in procs:
-            log, _ = p.communicate(timeout=timeout)
+            log, _ = p.communicate(timeout=scaled(timeout))
             out.append((p.returncode, log))
     finally:
         for p in procs:
@@ -91,18 +78,19 @@ def test_two_node_torchrun_and_srun_launches_train_like_one_process(tmp_path):
     cfg["model"]["compute_dtype"] = "float32"
     path = write_config(tmp_path, cfg)
     fit = ["-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"]
-    port = _free_port()
-    torchrun = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+    def torchrun(port):
+        return [([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *fit], {})
                 for node in (0, 1)]
-    port = _free_port()
-    srun = [([sys.executable, *fit], srun_env(rank, 2, 1, port)) for rank in (0, 1)]
+
+    def srun(port):
+        return [([sys.executable, *fit], srun_env(rank, 2, 1, port)) for rank in (0, 1)]
     del cfg["parallelism"]
     single = [([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(write_config(tmp_path, cfg, "single.yaml")),
                 "--trainer.accelerator", "cpu"], {})]
     results = {}
-    for name, cmds in (("single", single), ("torchrun", torchrun), ("srun", srun)):
-        runs = _launch_all(cmds, tmp_path)
+    for name, cmds in (("single", lambda port: single), ("torchrun", torchrun), ("srun", srun)):
+        runs = retry_on_port_clash(lambda port: _launch_all(cmds(port), tmp_path))
         for code, log in runs:
             assert code == 0, (name, log[-4000:])
         results[name] = [m.groups() for m in STEP.finditer(runs[0][1])]
@@ -124,9 +112,9 @@ def test_save_path_not_shared_by_the_ranks_stops_at_start_up(tmp_path):
     dirs = [tmp_path / "node0", tmp_path / "node1"]
     for d in dirs:
         d.mkdir()
-    port = _free_port()
-    runs = _launch_all([([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator",
-                          "cpu"], srun_env(rank, 2, 1, port)) for rank in (0, 1)], dirs)
+    runs = retry_on_port_clash(lambda port: _launch_all(
+        [([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
+          srun_env(rank, 2, 1, port)) for rank in (0, 1)], dirs))
     for code, log in runs:
         assert code == 2, log[-3000:]
         errors = [ln for ln in log.splitlines() if ln.startswith("lit_moe: error:")]
@@ -141,7 +129,7 @@ def test_devices_two_and_a_stuck_rank_ends_the_job(tmp_path, how):
     """Rank 1 stops answering after step 1; rank 0's next collective times out after
     ``parallelism.process_group_timeout_s`` and the run ends with an error (the default 30-minute
     torch timeout would look like a hang)."""
-    timeout_s = 30   # also bounds the start-up rendezvous: room for the second process to import
+    timeout_s = round(scaled(30))  # also bounds the start-up rendezvous: room for the second process to import
     cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": timeout_s})
     cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1, "how": how}}]
     path = write_config(tmp_path, cfg)
@@ -153,7 +141,7 @@ def test_devices_two_and_a_stuck_rank_ends_the_job(tmp_path, how):
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=240)
+            code = proc.wait(timeout=scaled(240))
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -182,7 +170,7 @@ def test_layer_aux_loss_is_averaged_over_data_parallel_ranks(tmp_path):
     path = write_config(tmp_path, cfg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=scaled(240))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads((tmp_path / f"aux.rank{r}").read_text().splitlines()[0]) for r in (0, 1)]
     own = [sum(torch.tensor(r["micro"], dtype=torch.float64)) / len(r["micro"]) for r in rows]
