@@ -3,7 +3,7 @@
 MindFormers reduces FSDP gradients with SUM when the key is True (its default) and scales the loss by
 ``1/(world/pp)``, so the update uses the mean gradient over data/context-parallel ranks; with False its
 FSDP averages on top, dividing each gradient once more by the size of its reduce group. Here two real
-gloo processes (``torch.distributed.run``, this file as ``--worker``) compute one backward under
+gloo processes (``torch.distributed.run``, the world-2 launch of tests/layout_pool.py) compute one backward under
 ``dp2`` (experts FSDP-sharded over 2 ranks) and ``ep2`` (experts split, one expert shard), with the key
 True and False; the reference is the same model in this pytest process on the whole batch, without
 any process group.

@@ -4,9 +4,9 @@ under each parallel layout matches the same training run in one process without 
 measured from the same runs' local shards.
 
 The reference is the plain model in this pytest process (no process group, no FSDP, no DTensor);
-the layouts run as real ``torch.distributed.run`` subprocesses of this file (``--worker``) with a
-timeout. Layouts of one world size share one launch (each builds its own meshes) to keep the wall
-time small. The world-2 launch also checks the differentiable collectives and the
+the layouts run in real ``torch.distributed.run`` worker processes with a timeout. Layouts of one
+world size share one launch (each builds its own meshes), with the other layout files' layouts of that
+size (tests/layout_pool.py), to keep the wall time small. The world-2 launch also checks the differentiable collectives and the
 vocabulary-parallel cross entropy against plain single-tensor math, and the world-4 launch a
 bf16-compute run (fp32 master weights, gradients and optimizer state).
 """

@@ -4,7 +4,8 @@ global batch and micro-batches; loss, pre-clip global gradient norm, expert bias
 parameters within 1e-5 relative: a stage changes no arithmetic inside its layers).
 
 The reference is the plain model in this pytest process; the layouts run as real
-``torch.distributed.run`` subprocesses of this file (``--worker``), one launch per world size.
+``torch.distributed.run`` processes, one launch per world size (worlds 2 and 4 shared with the other
+layout files: tests/layout_pool.py; world 8 a launch of this file as ``--worker``).
 """
 
 from __future__ import annotations

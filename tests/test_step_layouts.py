@@ -6,7 +6,8 @@ drives the module's own step: accumulation across ranks (``1/A``), ``set_gradien
 ``gradient_sync_every_microbatch: false``, the strategy's global norm and clipping, the module's loss,
 token-count and expert-count reductions, AdamW with its parameter groups and the LR schedule, expert
 biases, and a step skipped by a ``StepGuard`` under FSDP. One ``torch.distributed.run`` launch per world
-size runs every layout of that size (each its own Trainer and meshes).
+size runs every layout of that size (each its own Trainer and meshes), shared with the other layout
+files (tests/layout_pool.py).
 
 The single-process reference sees the global batch of each step as one micro-batch; every sample has
 the same number of loss tokens, so the mean over micro-batches and ranks is the mean over the batch.
