@@ -202,6 +202,16 @@ BUGS: list[Bug] = [
     Bug("pp_losses_not_averaged", "PP", "lit_moe/strategies/pipeline.py",
         "return vec[:3] / A", "return vec[:3] / A * (1 + (A > 1))",
         ("tests/test_pipeline.py", "-k", "layout_matches")),
+    # ---------------------------------------------------------------- issue 24 items 4-5 (suite helper)
+    Bug("hf_names_norm_swap_lora", "key map (LoRA merge)", "lit_moe/model/names.py",
+        '    ("pre_mlp_layernorm", {"huggingface": "post_attention_layernorm"}),\n',
+        '    ("input_layernorm", {"huggingface": "post_attention_layernorm"}),\n'
+        '    ("pre_mlp_layernorm", {"huggingface": "input_layernorm"}),\n',
+        ("tests/test_run_extras.py", "-k", "convert_hf_merges")),
+    Bug("eval_cp_ranks_read_apart", "evaluation under CP", "lit_moe/evaluation.py",
+        "return int(dm.dp_rank), int(dm.dp_size)",
+        "return int(trainer.global_rank), int(trainer.world_size)",
+        ("tests/test_context_parallel.py", "-k", "test_cli_ulysses")),
 ]
 
 
