@@ -213,6 +213,16 @@ BUGS: list[Bug] = [
     Bug("stored_moments_no_bias_correction", "optimizer moments", "lit_moe/optim.py",
         "value=-lr / bias_correction1)", "value=-lr)",
         ("tests/test_optim.py", "-k", "stored_moments_in_float32")),
+    # ---------------------------------------------------------------- issue 24 items 4-5 (suite helper)
+    Bug("hf_names_norm_swap_lora", "key map (LoRA merge)", "lit_moe/model/names.py",
+        '    ("pre_mlp_layernorm", {"huggingface": "post_attention_layernorm"}),\n',
+        '    ("input_layernorm", {"huggingface": "post_attention_layernorm"}),\n'
+        '    ("pre_mlp_layernorm", {"huggingface": "input_layernorm"}),\n',
+        ("tests/test_run_extras.py", "-k", "convert_hf_merges")),
+    Bug("eval_cp_ranks_read_apart", "evaluation under CP", "lit_moe/evaluation.py",
+        "return int(dm.dp_rank), int(dm.dp_size)",
+        "return int(trainer.global_rank), int(trainer.world_size)",
+        ("tests/test_context_parallel.py", "-k", "test_cli_ulysses")),
 ]
 
 

@@ -28,6 +28,27 @@ class GradCapture(Callback):
             torch.save(grads, self.path)
 
 
+class RandomNorms(Callback):
+    """Every RMSNorm weight to ``1 + 0.2·N(0,1)`` (seeded) when training starts: a fresh model has every
+    norm at 1.0, so a checkpoint of it cannot show two same-shaped norms swapped (a key map that swaps
+    input/post-attention norms converts to the same numbers). For frozen norms (LoRA) only: the same
+    seed gives the same values at every start, so a resumed run is unchanged."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self.seed = seed
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            for name, p in pl_module.model.named_parameters():
+                if name.endswith("norm.weight"):
+                    assert not p.requires_grad, f"{name} trains: RandomNorms is for frozen norms"
+                    value = 1 + 0.2 * torch.randn(p.shape, generator=g)
+                    if isinstance(p, DTensor):
+                        value = torch.distributed.tensor.distribute_tensor(value, p.device_mesh, p.placements)
+                    p.copy_(value)
+
+
 class StepRecorder(Callback):
     """Writes ``step_metrics`` (loss, lr, grad norm, ...) of every optimizer step as JSON lines, at full
     precision (the console prints four decimals), and the evaluation losses as ``{path}.val.json``."""

@@ -62,3 +62,11 @@ def pytest_runtest_protocol(item):
     if base:
         item.add_marker(pytest.mark.timeout(scaled(base)), append=False)
     yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The layout files that will run share one launch per world size (tests/layout_pool.py)."""
+    import layout_pool
+
+    layout_pool.note_collected({item.module.__name__ for item in items if getattr(item, "module", None)})

@@ -129,6 +129,29 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None =
                           capture_output=True, text=True, timeout=scaled(timeout))
 
 
+def cli_in_process(args: list[str], capfd, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``lit_moe ARGS`` in this process, for tests of what a run does rather than of a fresh
+    interpreter (each interpreter start costs 8-12 s of imports): the exit status and what was written
+    to stdout/stderr (``capfd``), as ``run_cli`` returns them. A process group the run created is
+    destroyed; the launch variables are restored by conftest."""
+    import torch.distributed as dist
+
+    from lit_moe.cli import main
+
+    capfd.readouterr()
+    before = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        code = main(list(args))
+    finally:
+        os.chdir(before)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["lit_moe", *args], code, out, err)
+
+
 def randomize_norms_and_biases(model, seed: int = 7) -> None:
     """Every RMSNorm weight to ``1 + 0.2·N(0,1)`` and every router expert bias to ``0.3·N(0,1)``.
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, run_cli, tiny_config, write_config
+from helpers import ROOT, cli_in_process, run_cli, tiny_config, write_config
 from lit_moe.cli import main
 
 
@@ -128,13 +128,13 @@ def test_bad_config_in_a_real_process_exits_2_without_traceback(tmp_path):
     assert len(lines) == 1 and "bogus" in lines[0], proc.stderr
 
 
-def test_empty_sections_take_their_defaults(tmp_path, capsys):
+def test_empty_sections_take_their_defaults(tmp_path, capfd):
     """A section whose keys are all commented out (YAML null) means its defaults, at any depth."""
     path = write_config(tmp_path, tiny_config(tmp_path, steps=1))
     extra = tmp_path / "empty.yaml"
     extra.write_text("profiler:\nrecompute:\nmonitor:\n  tensorboard:\n")
-    proc = run_cli(["fit", "--config", str(path), "--config", str(extra),
-                    "--monitor.tensorboard.output_dir", str(tmp_path / "tb")], cwd=tmp_path, timeout=300)
+    proc = cli_in_process(["fit", "--config", str(path), "--config", str(extra),
+                           "--monitor.tensorboard.output_dir", str(tmp_path / "tb")], capfd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "step 1/1" in proc.stdout + proc.stderr
 
@@ -192,9 +192,9 @@ def _printed(capsys, path, *extra) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
-def test_mindformers_config_loads_prints_round_trips_and_trains(tmp_path, capsys):
+def test_mindformers_config_loads_prints_round_trips_and_trains(tmp_path, capfd):
     cfg = mindformers_config(tmp_path)
-    printed = _printed(capsys, write_config(tmp_path, cfg))
+    printed = _printed(capfd, write_config(tmp_path, cfg))
     assert "trainer" not in printed          # Lightning's max_steps: -1 would beat training.steps
     for section, values in cfg.items():      # every key written comes back with its value
         if isinstance(values, dict):
@@ -202,9 +202,9 @@ def test_mindformers_config_loads_prints_round_trips_and_trains(tmp_path, capsys
                 assert printed[section][key] == value, (section, key)
         else:
             assert printed.get(section) == values or values in (None, [], False), section
-    again = _printed(capsys, write_config(tmp_path, printed, "printed.yaml"))
+    again = _printed(capfd, write_config(tmp_path, printed, "printed.yaml"))
     assert again == printed
-    proc = run_cli(["fit", "--config", str(tmp_path / "printed.yaml")], cwd=tmp_path, timeout=300)
+    proc = cli_in_process(["fit", "--config", str(tmp_path / "printed.yaml")], capfd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2/2" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 

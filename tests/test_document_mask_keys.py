@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ROOT, run_cli
+from helpers import ROOT, cli_in_process
 from lit_moe.config import NO_EFFECT_KEYS, ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.model.config_parsing import check_document_mask_data
@@ -78,9 +78,9 @@ def test_mask_compression_is_listed_without_effect_and_eod_is_a_field():
         DeepseekV3Config(use_eod_attn_mask_compression="yes")
 
 
-def test_fit_with_the_flag_and_no_document_ends_is_one_line(tmp_path):
-    proc = run_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                    "--model.use_eod_attn_mask_compression", "true"], cwd=tmp_path, timeout=120)
+def test_fit_with_the_flag_and_no_document_ends_is_one_line(tmp_path, capfd):
+    proc = cli_in_process(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                           "--model.use_eod_attn_mask_compression", "true"], capfd, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr

@@ -372,6 +372,10 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
 
     cfg = config(tmp_path, "two.yaml", steps=6, callbacks=[("SignalAt", {"step": 3, "micro": 0, "rank": 1}),
                                                           ("SignalCollectives", {"path": str(tmp_path / "calls")})])
+    # the same launch checks the per-layer aux loss that both ranks log (folded in: one launch less)
+    raw = helpers.yaml.safe_load(cfg.read_text())
+    raw["callbacks"].append({"class_path": "capture_callbacks.MoEAuxRecorder", "init_args": {"path": str(tmp_path / "aux")}})
+    cfg.write_text(helpers.yaml.safe_dump(raw))
     env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.accelerator", "cpu"],
@@ -383,6 +387,20 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / f"calls.rank{rank}").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3], rows
         assert all(r["calls"] == [] for r in rows), rows
+    _aux_loss_is_averaged_over_data_parallel_ranks(tmp_path / "aux")
+
+
+def _aux_loss_is_averaged_over_data_parallel_ranks(rec: Path) -> None:
+    """dp2: the per-layer ``moe.aux_loss`` both ranks log (step 1) is the mean of the two ranks' own
+    values (from test_strategy_launch, where it had a launch of its own)."""
+    import torch
+
+    rows = [json.loads(Path(f"{rec}.rank{r}").read_text().splitlines()[0]) for r in (0, 1)]
+    own = [sum(torch.tensor(r["micro"], dtype=torch.float64)) / len(r["micro"]) for r in rows]
+    assert not torch.allclose(own[0], own[1])          # the ranks saw different data
+    want = (own[0] + own[1]) / 2 / rows[0]["coeff"]
+    for r in rows:
+        torch.testing.assert_close(torch.tensor(r["logged"], dtype=torch.float64), want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.timeout(400)

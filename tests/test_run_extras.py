@@ -58,8 +58,11 @@ def full_run(tmp_path_factory):
     cfg["trainer"]["logger"].append({"class_path": "lightning.pytorch.loggers.WandbLogger",
                                      "init_args": {"save_dir": str(tmp / "wandb"), "project": "lit_moe",
                                                    "offline": True}})
+    # frozen norms (LoRA) at 1 + 0.2·N(0,1): the convert-hf comparison sees a swap of same-shaped norms
+    cfg["callbacks"] = [{"class_path": "capture_callbacks.RandomNorms", "init_args": {"seed": 7}}]
     path = write_config(tmp, cfg)
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "WANDB_SILENT": "true"}
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "WANDB_SILENT": "true",
+           "PYTHONPATH": str(ROOT / "tests")}
     (tmp / "wandb").mkdir()
     proc = run_cli(["fit", "--config", str(path)], cwd=tmp, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import ROOT, run_cli, tiny_config, write_config
+from helpers import ROOT, cli_in_process, tiny_config, write_config
 
 TESTS = str(ROOT / "tests")
 
 
-def _fit(tmp_path, cfg, name):
+def _fit(tmp_path, cfg, name, capfd):
     path = write_config(tmp_path, cfg, f"{name}.yaml")
-    proc = run_cli(["fit", "--config", str(path)], cwd=tmp_path, timeout=400, env={"PYTHONPATH": TESTS})
+    proc = cli_in_process(["fit", "--config", str(path)], capfd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -26,7 +26,7 @@ def _fp32(cfg):
     return cfg
 
 
-def test_accumulation_matches_one_big_batch(tmp_path):
+def test_accumulation_matches_one_big_batch(tmp_path, capfd):
     """A=4 micro-batches of 2 give the gradients of one batch of 8 (same samples, fp32)."""
     grads = {}
     for name, lbs in (("accum", 2), ("big", 8)):
@@ -34,35 +34,35 @@ def test_accumulation_matches_one_big_batch(tmp_path):
         cfg["training"].update(local_batch_size=lbs, global_batch_size=8, max_norm=0.0)
         cfg["callbacks"] = [{"class_path": "capture_callbacks.GradCapture",
                              "init_args": {"path": str(tmp_path / f"{name}.pt")}}]
-        _fit(tmp_path, cfg, name)
+        _fit(tmp_path, cfg, name, capfd)
         grads[name] = torch.load(tmp_path / f"{name}.pt")
     assert grads["accum"].keys() == grads["big"].keys() and len(grads["big"]) > 10
     for n, g in grads["big"].items():
         torch.testing.assert_close(grads["accum"][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_deterministic_runs_are_bitwise_identical(tmp_path):
+def test_deterministic_runs_are_bitwise_identical(tmp_path, capfd):
     runs = []
     for name in ("a", "b"):
         cfg = tiny_config(tmp_path, steps=3)
         cfg["training"]["deterministic"] = True
         rec = tmp_path / f"{name}.jsonl"
         cfg["callbacks"] = [{"class_path": "capture_callbacks.StepRecorder", "init_args": {"path": str(rec)}}]
-        _fit(tmp_path, cfg, name)
+        _fit(tmp_path, cfg, name, capfd)
         runs.append([json.loads(line) for line in rec.read_text().splitlines()])
     assert len(runs[0]) == 3
     assert [r["loss_hex"] for r in runs[0]] == [r["loss_hex"] for r in runs[1]]
     assert [r["first_tokens"] for r in runs[0]] == [r["first_tokens"] for r in runs[1]]
 
 
-def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path):
+def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path, capfd):
     """Training that stops between optimizer steps (here: the epoch limit after 3 micro-batches with
     A = 2) saves a final checkpoint whose data position is the end of the last finished step, so a
     resume reads the unfinished window's samples again instead of skipping them."""
     cfg = tiny_config(tmp_path, steps=10)           # local batch 2, global 4: A = 2
     cfg["checkpoint"]["enable_save"] = True
     cfg["trainer"] = {"max_epochs": 1, "limit_train_batches": 3}
-    proc = run_cli(["fit", "--config", str(write_config(tmp_path, cfg))], cwd=tmp_path, timeout=300)
+    proc = cli_in_process(["fit", "--config", str(write_config(tmp_path, cfg))], capfd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     common = json.loads((tmp_path / "ckpt" / "iteration_00000001" / "common.json").read_text())
     state = common["trainer_state"]
