@@ -248,7 +248,7 @@ def check_hf_export(config: Path, hf_dir: Path, final_state: Path) -> None:
     x = torch.randint(0, section["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (ours(x).logits - hf.eval()(x).logits).abs().max().item()
-    assert diff <= 1e-4, diff   # measured 1.9e-6 (one process) / 1.9e-6 (dp2)
+    assert diff <= 1.5e-6, diff   # measured 1.8e-7 (one process) / 1.5e-7 (dp2); logits up to 1.1
 
 
 def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capsys):

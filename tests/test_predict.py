@@ -81,7 +81,7 @@ def test_cache_holds_the_compressed_latent_and_equals_the_full_forward(exported)
     assert latent.shape == (1, 10, c.kv_lora_rank) and k_pe.shape == (1, 10, 1, c.qk_rope_head_dim)
     with torch.no_grad():
         full = m(text).logits[:, -1]
-    assert (logits - full).abs().max().item() <= 1e-5   # measured 1.9e-6
+    assert (logits - full).abs().max().item() <= 1.2e-6   # measured 1.2e-7 (logits up to 0.59)
 
 
 def test_top_p_filter_hand_computed():
