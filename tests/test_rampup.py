@@ -162,7 +162,7 @@ def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ramp_one")
     rec = run_dir / "rec.jsonl"
     cfg = _ramp_config(run_dir, rec)
-    cfg["checkpoint"].update(enable_save=True, save_interleaved_steps=1)
+    cfg["checkpoint"].update(enable_save=True, save_interleaved_steps=1, save_max=10)
     proc = run_cli(["fit", "--config", str(write_config(run_dir, cfg))], cwd=run_dir, timeout=600,
                    env={"PYTHONPATH": TESTS})
     assert proc.returncode == 0, proc.stderr[-3000:]
