@@ -227,9 +227,8 @@ def test_cli_ramp_under_dp2_and_pp2_matches_one_process(uninterrupted, tmp_path,
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = _rows(rec)
     assert [r["consumed_samples"] for r in rows] == SAMPLES
-    want_micro = MICRO_BATCHES  # per rank: dp2 takes one sample per rank per micro-batch
-    assert [r["micro_batches"] for r in rows] == want_micro
+    assert [r["micro_batches"] for r in rows] == MICRO_BATCHES   # dp2: one sample per rank and micro-batch
     assert [r["first_tokens"] for r in rows] == [r["first_tokens"] for r in reference]
     losses = [r["loss"] for r in rows]
-    # float32; reduction orders differ only (measured: TOLERANCE)
-    assert losses == pytest.approx([r["loss"] for r in reference], rel=1e-5), losses
+    # float32, reduction orders differ only (measured: relative 8.3e-8 dp2, 1.4e-7 pp2)
+    assert losses == pytest.approx([r["loss"] for r in reference], rel=1e-6), losses
