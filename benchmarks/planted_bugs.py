@@ -253,6 +253,31 @@ BUGS: list[Bug] = [
     Bug("export_an_earlier_iteration", "HF export at the end", "lit_moe/checkpoint/callback.py",
         "iteration_name(step))\n                export_atomically", "iteration_name(step - 1))\n                export_atomically",
         ("tests/test_checkpoint_e2e.py", "-k", "hf_export_at_the_end")),
+    # ---------------------------------------------------------------- global batch ramp-up
+    Bug("ramp_rounds_the_level", "batch ramp-up", "lit_moe/schedules.py",
+        "return min(self.start + self.increment * int(consumed_samples / per), self.global_batch_size)",
+        "return min(self.start + self.increment * round(consumed_samples / per), self.global_batch_size)",
+        ("tests/test_rampup.py", "-k", "hand_computed_tables or megatron")),
+    Bug("ramp_samples_after_one_step_short", "batch ramp-up", "lit_moe/schedules.py",
+        "return before + (steps - first) * gbs", "return before + (steps - first - (steps > 3)) * gbs",
+        ("tests/test_rampup.py", "-k", "replays")),
+    Bug("ramp_never_advances", "batch ramp-up", "lit_moe/module.py",
+        "self.accumulation_steps = self.batch_ramp.accumulation_at(self._step_first_sample)",
+        "self.accumulation_steps = self.batch_ramp.accumulation_at(0)",
+        ("tests/test_rampup.py", "-k", "hand_computed_ones")),
+    Bug("ramp_counts_carried_micro_batches", "batch ramp-up", "lit_moe/module.py",
+        "self._step_first_sample = dm.consumed_samples - carried",
+        "self._step_first_sample = dm.consumed_samples",
+        ("tests/test_rampup.py", "-k", "hand_computed_ones")),
+    Bug("ramp_pipeline_keeps_its_first_schedule", "batch ramp-up", "lit_moe/strategies/pipeline.py",
+        "if self.runner is None or self.runner.accumulation_steps != A:", "if self.runner is None:",
+        ("tests/test_rampup.py", "-k", "pp2"), timeout=1500.0),
+    Bug("ramp_plan_checks_only_the_last_level", "batch ramp-up", "lit_moe/strategies/plan.py",
+        "for level in ramp.levels()[:-1]:", "for level in ramp.levels()[-1:]:",
+        ("tests/test_rampup.py", "-k", "plan_prints_the_ramp")),
+    Bug("ramp_summary_shows_the_start", "batch ramp-up", "lit_moe/callbacks/console.py",
+        "this step {ramp.global_batch_at(consumed_samples)} ", "this step {ramp.start} ",
+        ("tests/test_rampup.py", "-k", "resume")),
 ]
 
 
@@ -307,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the bugs and exit")
     ap.add_argument("--markdown", type=Path, help="also write the report as a Markdown table here")
     args = ap.parse_args(argv)
-    problems = check_table(BUGS)
+    problems = check_table([b for b in BUGS if not args.names or b.name in args.names])   # named: only those
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 2

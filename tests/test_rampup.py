@@ -137,14 +137,23 @@ def test_plan_prints_the_ramp_and_checks_every_level_against_the_pipeline(tmp_pa
 # ----------------------------------------------------------------------------------------------
 # through lit_moe fit
 # ----------------------------------------------------------------------------------------------
+# Start 4, +2, 20 samples to 8: 2 increments, one every 10 samples.
+#   step:            1  2  3   4   5   6   7
+#   consumed before: 0  4  8  12  18  24  32      (int(12 / 10) = int(18 / 10) = 1; 24 > 20)
+#   global batch:    4  4  4   6   6   8   8
+# An epoch of 10 samples (5 micro-batches of 2): steps 3, 5 and 6 begin with micro-batches carried over
+# an epoch's end, counted by the DataModule but not trained yet; the batch of step 5 is read after 18
+# samples (20 with the carried ones would give 8).
 STEPS = 7
-RAMP = [4, 2, 24]                                   # the first table above
+RAMP = [4, 2, 20]
 SAMPLES = [4, 8, 12, 18, 24, 32, 40]                # consumed after each step
 MICRO_BATCHES = [2, 2, 2, 3, 3, 4, 4]               # of 2 samples (one process, local batch 2)
+EPOCH_SAMPLES = 10
 
 
 def _ramp_config(run_dir, rec, **training) -> dict:
     cfg = tiny_config(run_dir, steps=STEPS)
+    cfg["train_dataset"]["dataloader"]["sizes"] = [EPOCH_SAMPLES, 0, 0]
     cfg["model"]["compute_dtype"] = "float32"
     cfg["training"].update(deterministic=True, local_batch_size=2, global_batch_size=8, rampup_batch_size=RAMP,
                            **training)
@@ -162,7 +171,7 @@ def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ramp_one")
     rec = run_dir / "rec.jsonl"
     cfg = _ramp_config(run_dir, rec)
-    cfg["checkpoint"].update(enable_save=True, save_interleaved_steps=1)
+    cfg["checkpoint"].update(enable_save=True, save_interleaved_steps=1, save_max=10)
     proc = run_cli(["fit", "--config", str(write_config(run_dir, cfg))], cwd=run_dir, timeout=600,
                    env={"PYTHONPATH": TESTS})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,7 +183,7 @@ def test_cli_ramp_samples_per_step_are_the_hand_computed_ones(uninterrupted):
     run_dir, rows, log = uninterrupted
     assert [r["consumed_samples"] for r in rows] == SAMPLES
     assert [r["micro_batches"] for r in rows] == MICRO_BATCHES
-    assert "global batch ramp-up 4 → 8 by 2 every 12 samples (the first 24); accumulation 2 → 4; " \
+    assert "global batch ramp-up 4 → 8 by 2 every 10 samples (the first 20); accumulation 2 → 4; " \
            "this step 4 (after 0 samples)" in log
     common = json.loads((run_dir / "ckpt" / "iteration_00000004" / "common.json").read_text())
     assert common["consumed_samples"] == 18
@@ -218,9 +227,8 @@ def test_cli_ramp_under_dp2_and_pp2_matches_one_process(uninterrupted, tmp_path,
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = _rows(rec)
     assert [r["consumed_samples"] for r in rows] == SAMPLES
-    want_micro = MICRO_BATCHES  # per rank: dp2 takes one sample per rank per micro-batch
-    assert [r["micro_batches"] for r in rows] == want_micro
+    assert [r["micro_batches"] for r in rows] == MICRO_BATCHES   # dp2: one sample per rank and micro-batch
     assert [r["first_tokens"] for r in rows] == [r["first_tokens"] for r in reference]
     losses = [r["loss"] for r in rows]
-    # float32; reduction orders differ only (measured: TOLERANCE)
-    assert losses == pytest.approx([r["loss"] for r in reference], rel=1e-5), losses
+    # float32, reduction orders differ only (measured: relative 8.3e-8 dp2, 1.4e-7 pp2)
+    assert losses == pytest.approx([r["loss"] for r in reference], rel=1e-6), losses
