@@ -726,7 +726,8 @@ class _Converter:
         from lit_moe.strategies.pipeline import check_pipeline_run
 
         parallelism = build_section(ParallelismConfig, self.out["parallelism"], "parallelism")
-        check_pipeline_run(parallelism, DeepseekV3Config(**model), parallel["micro"], training["global_batch_size"])
+        check_pipeline_run(parallelism, DeepseekV3Config(**model), parallel["micro"], training["global_batch_size"],
+                           stage_ranks=parallel["dp"] * parallel["tp"] * parallel["cp"])
 
     def training(self, parallel: dict) -> dict:
         rc = self.section("runner_config")

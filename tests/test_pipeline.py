@@ -330,7 +330,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     # rank reports its share of the sequence's loss and routes its own tokens)
     dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [],
+           "schedule": type(runner.schedule).__name__}
     for step in range(STEPS):
         tok = data[step, dp_rank * A:(dp_rank + 1) * A]
         extra = document_inputs(slice(dp_rank * A, (dp_rank + 1) * A)) if spec["docs"] else {}
@@ -427,6 +428,8 @@ def test_layout_matches_one_process(name, runs, references):
     seen_bias: set[str] = set()
     for r, res in enumerate(results):
         out = res["out"]
+        if spec["schedule"] == "dualpipev":   # every schedule gives these numbers: this one really ran
+            assert out["schedule"] == "ScheduleDualPipeV", (name, out["schedule"])
         # the evaluation pass through the stages: the one-process value on every rank
         assert _rel(out["val_loss"], ref["val_loss"]) < RTOL, (name, r, out["val_loss"], ref["val_loss"])
         for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
