@@ -364,7 +364,7 @@ def build_run(cfg: Any) -> Run:
     validate_recompute(recompute, recompute_comm, model_config.total_layers)
 
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
-    _check_optimizer(optimizer_section)
+    _check_optimizer(optimizer_section, dims, cfg.get("lora_config"))
     check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), monitor)
 
     from lit_moe.checkpoint import build_checkpoint_callback
@@ -470,10 +470,13 @@ def _check_training(t: TrainingConfig) -> None:
         raise ConfigError(f"training.seed: must be an integer in [0, 2**32), got {t.seed!r}")
 
 
-def _check_optimizer(section: dict) -> None:
+def _check_optimizer(section: dict, dims: Any = None, lora: Any = None) -> None:
     from lit_moe.optim import validate_optimizer_section
+    from lit_moe.qk_clip import check_qk_clip_layout
 
-    validate_optimizer_section(section)
+    settings = validate_optimizer_section(section)
+    if settings.type == "Muon" and settings.qk_clip_enabled and dims is not None:
+        check_qk_clip_layout(dims, lora)
 
 
 def _dataset_seq_length(ds: TrainDatasetConfig, model_config) -> int:

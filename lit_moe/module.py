@@ -157,7 +157,7 @@ class LitMoE(LightningModule):
 
         peak_lr, lr_lambda = build_lr_lambda(self.lr_scheduler_section, self.training_config.steps)
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, self.optimizer_section, peak_lr)
+        optimizer = build_optimizer(params, self.optimizer_section, peak_lr, model=self.model)
         # the schedule's position lives on the device: a skipped update does not advance it, and nobody
         # has to read the skip decision on the host to know that
         scheduler = DeviceLambdaLR(optimizer, lr_lambda)

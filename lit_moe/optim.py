@@ -19,9 +19,14 @@ one group (torch 2.13). So the default ``foreach=None`` (torch picks foreach on 
 is always safe; ``fused: True`` asks for the fused kernel.
 
 ``type: Muon`` returns a :class:`MuonWithAdamW`, one ``torch.optim.Optimizer`` holding a
-``torch.optim.Muon`` (2-D hidden matrices) and a ``torch.optim.AdamW`` (everything else) that share its
+:class:`ScheduledMuon` (2-D hidden matrices) and a ``torch.optim.AdamW`` (everything else) that share its
 ``param_groups`` and ``state``; LR schedulers, Lightning, ``state_dict``/``load_state_dict`` and
-``torch.distributed.checkpoint`` see one ordinary optimizer.
+``torch.distributed.checkpoint`` see one ordinary optimizer. Its keys mean what they mean in
+MindFormers' PyNative Muon (``mindformers/pynative/optimizer/muon.py``): ``ns_coefficients`` is one
+``[a, b, c]`` for all ``ns_steps`` steps or a per-step schedule ``[[[a, b, c], count], ...]`` (then
+``ns_steps`` is the sum of the counts); the update is scaled by ``lr * matched_adamw_rms *
+sqrt(max(rows, cols))``; ``qk_clip_enabled`` (default true, as there) rescales the query/key projections
+after each step (:mod:`lit_moe.qk_clip`); ``comm_strategy`` only chooses MindFormers' communication.
 """
 
 from __future__ import annotations
@@ -47,11 +52,15 @@ _COMMON_KEYS = ("type", "weight_decay", "weight_decay_include", "weight_decay_ex
 _TYPE_KEYS = {
     "AdamW": ("betas", "eps", "amsgrad", "maximize", "exp_avg_dtype", "exp_avg_sq_dtype"),
     "Muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "matched_adamw_rms",
-             "adamw_betas", "adamw_eps", "adamw_include", "qk_clip_enabled", "qk_clip_threshold"),
+             "adamw_betas", "adamw_eps", "adamw_include", "qk_clip_enabled", "qk_clip_threshold",
+             "comm_strategy"),
 }
 # accumulate_allreduce_grads_in_fp32: read by the strategy (fp32 gradient reduction). The rest are
 # MindFormers/Ascend implementation switches with no meaning for torch's optimizers.
-_CONSUMED_ELSEWHERE = ("accumulate_allreduce_grads_in_fp32", "comm_strategy", "use_fused_adamw", "swap")
+_CONSUMED_ELSEWHERE = ("accumulate_allreduce_grads_in_fp32", "use_fused_adamw", "swap")
+# MindFormers' Muon comm_strategy values: who runs Newton-Schulz on a sharded 2-D weight (every rank after
+# an all-gather, or one assigned rank per weight); the numbers are the same either way.
+_COMM_STRATEGIES = ("allgather", "allgather_deredundency")
 
 # MindFormers defaults (OptimizerConfig for AdamW; pynative Muon for Muon).
 _DEFAULT_WEIGHT_DECAY = 0.01
@@ -87,8 +96,13 @@ class OptimizerSettings:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
-    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    # one (a, b, c) per Newton-Schulz step (MindFormers' per-step schedule, expanded)
+    ns_coefficients: tuple[tuple[float, float, float], ...] = ((3.4445, -4.7750, 2.0315),) * 5
     adjust_lr_fn: str = "match_rms_adamw"
+    matched_adamw_rms: float = 0.2
+    qk_clip_enabled: bool = False
+    qk_clip_threshold: float = 100.0
+    comm_strategy: str = "allgather"
     adamw_eps: float = _DEFAULT_EPS
     adamw_include: tuple[str, ...] = _DEFAULT_ADAMW_INCLUDE
 
@@ -167,6 +181,44 @@ def optimizer_state_bytes(name: str, param: torch.Tensor, settings: OptimizerSet
             + torch.empty((), dtype=settings.exp_avg_sq_dtype).element_size())
 
 
+def ns_schedule(coefficients: Any, ns_steps: int) -> tuple[tuple[float, float, float], ...]:
+    """MindFormers' ``ns_coefficients`` as one ``(a, b, c)`` per Newton-Schulz step (its
+    ``Muon._normalize_ns_schedule``): a flat ``[a, b, c]`` is used for all ``ns_steps`` steps; a
+    segmented ``[[[a, b, c], count], ...]`` repeats each triple ``count`` times (DeepSeek-V4's
+    ``[[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]]`` is 10 steps) and fixes the step count."""
+    key = "optimizer.ns_coefficients"
+    if coefficients is None:
+        coefficients = (3.4445, -4.7750, 2.0315)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def triple(v: Any) -> Optional[tuple[float, float, float]]:
+        if isinstance(v, (list, tuple)) and len(v) == 3 and all(number(c) for c in v):
+            return tuple(float(c) for c in v)
+        return None
+
+    if not isinstance(coefficients, (list, tuple)) or not coefficients:
+        raise ConfigError(f"{key}: expected [a, b, c] or [[[a, b, c], count], ...], got {coefficients!r}")
+    if number(coefficients[0]):
+        flat = triple(coefficients)
+        if flat is None:
+            raise ConfigError(f"{key}: a flat form has three numbers [a, b, c], got {coefficients!r}")
+        return (flat,) * ns_steps
+    steps: list[tuple[float, float, float]] = []
+    for i, segment in enumerate(coefficients):
+        ok = isinstance(segment, (list, tuple)) and len(segment) == 2
+        abc = triple(segment[0]) if ok else None
+        count = segment[1] if ok else None
+        if abc is None or isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"{key}[{i}]: expected [[a, b, c], count] with a positive integer count, "
+                              f"got {segment!r}")
+        steps.extend([abc] * count)
+    if len(steps) >= 100:
+        raise ConfigError(f"{key}: the schedule has {len(steps)} steps; at most 99")
+    return tuple(steps)
+
+
 def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSettings:
     """Check ``optimizer:`` and resolve its defaults; one-line :class:`ConfigError` on a bad value.
     Keys this optimizer does not read are named in one warning (the section allows extra keys)."""
@@ -214,44 +266,35 @@ def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSe
     ns_steps = section.get("ns_steps", 5)
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
         raise ConfigError(f"optimizer.ns_steps: must be an integer in [1, 99], got {ns_steps!r}")
-    s.ns_steps = ns_steps
-    coeffs = section.get("ns_coefficients")
-    if coeffs is not None:
-        if (not isinstance(coeffs, (list, tuple)) or len(coeffs) != 3
-                or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coeffs)):
-            raise ConfigError("optimizer.ns_coefficients: expected three numbers [a, b, c] (one set for every "
-                              f"Newton-Schulz step), got {coeffs!r}")
-        s.ns_coefficients = tuple(float(c) for c in coeffs)
+    s.ns_coefficients = ns_schedule(section.get("ns_coefficients"), ns_steps)
+    s.ns_steps = len(s.ns_coefficients)
+    if section.get("ns_steps") is not None and s.ns_steps != ns_steps:
+        log.warning("optimizer.ns_steps: %d is ignored: the per-step ns_coefficients schedule has %d steps "
+                    "(as in MindFormers)", ns_steps, s.ns_steps)
     s.eps = _float(section, "eps", _DEFAULT_EPS)
     adjust = section.get("adjust_lr_fn", "match_rms_adamw")
     if adjust not in ("match_rms_adamw", "original"):
         raise ConfigError(f"optimizer.adjust_lr_fn: expected match_rms_adamw or original, got {adjust!r}")
-    rms = section.get("matched_adamw_rms")
-    if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float)) or abs(rms - 0.2) > 1e-12):
-        raise ConfigError(f"optimizer.matched_adamw_rms: only 0.2 is supported (torch.optim.Muon's "
-                          f"match_rms_adamw), got {rms!r}")
     s.adjust_lr_fn = adjust
+    s.matched_adamw_rms = _float(section, "matched_adamw_rms", 0.2)
+    if s.matched_adamw_rms <= 0:
+        raise ConfigError(f"optimizer.matched_adamw_rms: must be > 0, got {section['matched_adamw_rms']!r}")
+    if section.get("matched_adamw_rms") is not None and adjust == "original":
+        raise ConfigError("optimizer.matched_adamw_rms: has no effect with adjust_lr_fn: original "
+                          "(torch's max(1, rows/cols)^0.5 scale); drop one of them")
     s.betas = _betas(section, "adamw_betas", (0.95, 0.95))
     s.adamw_eps = _float(section, "adamw_eps", _DEFAULT_EPS)
     s.adamw_include = tuple(_rules(section, "adamw_include", _DEFAULT_ADAMW_INCLUDE))
-    qk_clip = _bool(section, "qk_clip_enabled", None)
-    if qk_clip:
-        raise ConfigError("optimizer.qk_clip_enabled: QK-clip is not implemented; set it to false")
-    if qk_clip is None:
-        _warn_once("optimizer.qk_clip_enabled: not set; MindFormers' Muon defaults to true (QK-clip, "
-                   "qk_clip_threshold 100), lit_moe has no QK-clip and trains without it (false); set "
-                   "qk_clip_enabled: false to state it")
+    s.comm_strategy = section.get("comm_strategy", "allgather")
+    if s.comm_strategy not in _COMM_STRATEGIES:
+        raise ConfigError(f"optimizer.comm_strategy: expected one of {', '.join(_COMM_STRATEGIES)}, "
+                          f"got {s.comm_strategy!r}")
+    # MindFormers' Muon defaults QK-clip to on with threshold 100 (lit_moe.qk_clip)
+    s.qk_clip_enabled = bool(_bool(section, "qk_clip_enabled", True))
+    s.qk_clip_threshold = _float(section, "qk_clip_threshold", 100.0)
+    if s.qk_clip_enabled and s.qk_clip_threshold <= 0:
+        raise ConfigError(f"optimizer.qk_clip_threshold: must be > 0, got {section['qk_clip_threshold']!r}")
     return s
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """One warning line per process (the section is validated several times in a run)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,15 +397,71 @@ def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], settings:
 # ----------------------------------------------------------------------------------------------
 # Muon + AdamW as one optimizer
 # ----------------------------------------------------------------------------------------------
+def newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...], eps: float) -> torch.Tensor:
+    """MindFormers' ``newton_schulz`` in bf16 (as torch.optim.Muon and MindFormers run it): the wide
+    orientation, ``x / (||x||_F + eps)``, then per step ``A = x x^T``, ``x = a x + (b A + c A A) x`` with
+    that step's ``(a, b, c)``; returned in the input orientation."""
+    x = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / (x.norm() + eps)
+    for a, b, c in schedule:
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class ScheduledMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` with MindFormers' per-step Newton-Schulz schedule (``ns_schedule``, one
+    ``(a, b, c)`` per step) and any ``matched_adamw_rms``: the update is ``lr · matched_adamw_rms ·
+    sqrt(max(rows, cols)) · NS(input)``, as MindFormers' ``_apply_muon_ns`` (``adjust_lr_fn: original``
+    keeps torch's scale). Momentum and state are torch's (``momentum_buffer``, an average: MindFormers'
+    buffer is a sum, larger by ``1 / (1 - momentum)``, which the normalisation inside NS takes out
+    up to ``eps``)."""
+
+    def __init__(self, params: Any, ns_schedule: tuple[tuple[float, float, float], ...],
+                 matched_adamw_rms: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(params, ns_coefficients=ns_schedule[0], ns_steps=len(ns_schedule), **kwargs)
+        for group in self.param_groups:
+            group.setdefault("ns_schedule", tuple(ns_schedule))
+            group.setdefault("matched_adamw_rms", matched_adamw_rms)
+
+    def _update_scale(self, group: dict, shape: torch.Size) -> float:
+        if group["adjust_lr_fn"] == "original":
+            return max(1.0, shape[0] / shape[1]) ** 0.5
+        return group["matched_adamw_rms"] * max(shape[0], shape[1]) ** 0.5
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, momentum = group["lr"], group["momentum"]
+            for p, g, buf in zip(params, grads, bufs):
+                buf.lerp_(g, 1 - momentum)
+                update = g.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_schedule"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * self._update_scale(group, p.shape))
+        return loss
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` on the groups named ``muon.*`` and ``torch.optim.AdamW`` on the others, as one
+    """:class:`ScheduledMuon` on the groups named ``muon.*`` and ``torch.optim.AdamW`` on the others, as one
     optimizer. Both inner optimizers use this object's group dicts and its ``state`` (keyed by parameter,
     so they never collide); after ``load_state_dict`` (which replaces both) they are linked again."""
 
-    def __init__(self, groups: list[dict[str, Any]], muon_kwargs: dict[str, Any], adamw_kwargs: dict[str, Any]):
+    def __init__(self, groups: list[dict[str, Any]], muon_kwargs: dict[str, Any], adamw_kwargs: dict[str, Any],
+                 qk_clip: Any = None):
+        self.qk_clip = qk_clip   # lit_moe.qk_clip.QKClip: after every step (not pickled with the state)
         muon_groups = [g for g in groups if g["name"].startswith("muon.")]
         adamw_groups = [g for g in groups if not g["name"].startswith("muon.")]
-        self.muon = torch.optim.Muon(muon_groups, **muon_kwargs) if muon_groups else None
+        self.muon = ScheduledMuon(muon_groups, **muon_kwargs) if muon_groups else None
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw_kwargs) if adamw_groups else None
         inner_groups = (self.muon.param_groups if self.muon else []) + (self.adamw.param_groups if self.adamw else [])
         super().__init__(inner_groups, defaults={})  # adopts the inner group dicts as they are
@@ -394,6 +493,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for inner in (self.muon, self.adamw):
             if inner is not None:
                 inner.step()
+        if getattr(self, "qk_clip", None) is not None:
+            self.qk_clip.apply()
         return loss
 
 
@@ -477,9 +578,11 @@ def _fused_ok(groups: list[dict]) -> bool:
 
 
 def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimizer_section: Optional[dict],
-                    learning_rate: float) -> torch.optim.Optimizer:
+                    learning_rate: float, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
     """The optimizer of ``optimizer_section`` over the trainable parameters, every group at
-    ``learning_rate`` (the schedule's peak; a ``LambdaLR`` scales it per step)."""
+    ``learning_rate`` (the schedule's peak; a ``LambdaLR`` scales it per step). ``model``: the lit_moe
+    model whose MLA layers Muon's QK-clip rescales after each step (``qk_clip_enabled``, the default);
+    without it (an optimizer over bare parameters) there is nothing to clip."""
     settings = validate_optimizer_section(optimizer_section)
     groups = param_groups(named_parameters, settings, learning_rate)
     kernels = {"foreach": settings.foreach, "fused": settings.fused}
@@ -498,11 +601,14 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
                                       maximize=settings.maximize, **kernels)
     else:
         muon_kwargs = dict(lr=learning_rate, weight_decay=settings.weight_decay, momentum=settings.momentum,
-                           nesterov=settings.nesterov, ns_coefficients=settings.ns_coefficients,
-                           eps=settings.eps, ns_steps=settings.ns_steps, adjust_lr_fn=settings.adjust_lr_fn)
+                           nesterov=settings.nesterov, ns_schedule=settings.ns_coefficients,
+                           matched_adamw_rms=settings.matched_adamw_rms, eps=settings.eps,
+                           adjust_lr_fn=settings.adjust_lr_fn)
         adamw_kwargs = dict(lr=learning_rate, betas=settings.betas, eps=settings.adamw_eps,
                             weight_decay=settings.weight_decay, **kernels)
-        optimizer = MuonWithAdamW(groups, muon_kwargs, adamw_kwargs)
+        from lit_moe.qk_clip import build_qk_clip
+
+        optimizer = MuonWithAdamW(groups, muon_kwargs, adamw_kwargs, qk_clip=build_qk_clip(model, settings))
     log.info("optimizer: %s, %s", settings.type,
              "; ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']:g}"
                        for g in optimizer.param_groups))

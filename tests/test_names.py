@@ -360,24 +360,21 @@ MINDFORMERS_OPTIMIZER = {
     "weight_decay_include": [], "weight_decay_exclude": [], "amsgrad": False, "maximize": False,
 }
 MINDFORMERS_MUON = {
-    "momentum": 0.95, "nesterov": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.7750, 2.0315),
+    "momentum": 0.95, "nesterov": True, "ns_steps": 5, "ns_coefficients": ((3.4445, -4.7750, 2.0315),) * 5,
     "betas": (0.95, 0.95),   # adamw_betas
     "adamw_eps": 1e-8, "eps": 1e-8, "weight_decay": 0.01, "adjust_lr_fn": "match_rms_adamw",  # matched_adamw_rms 0.2
-    "adamw_include": ("*word_embeddings*", "*output_layer*"),
+    "adamw_include": ("*word_embeddings*", "*output_layer*"), "matched_adamw_rms": 0.2,
+    "qk_clip_enabled": True, "qk_clip_threshold": 100.0, "comm_strategy": "allgather",
 }
 
 
 def test_optimizer_defaults_are_mindformers(caplog, monkeypatch):
-    import lit_moe.optim as optim
     from lit_moe.optim import validate_optimizer_section
-
-    monkeypatch.setattr(optim, "_WARNED", set())   # one line per process: this test must see it
 
     adamw = dataclasses.asdict(validate_optimizer_section({}))
     assert {k: adamw[k] for k in MINDFORMERS_OPTIMIZER} == MINDFORMERS_OPTIMIZER
     with caplog.at_level(logging.WARNING):
         muon = dataclasses.asdict(validate_optimizer_section({"type": "Muon"}))
     assert {k: muon[k] for k in MINDFORMERS_MUON} == MINDFORMERS_MUON
-    # QK-clip: on in MindFormers (qk_clip_enabled=True), not implemented here: one line, then off
-    assert any(r.getMessage().startswith("optimizer.qk_clip_enabled: not set; MindFormers' Muon defaults to true")
-               for r in caplog.records)
+    # QK-clip: on by default, as in MindFormers (tests/test_muon_clip.py)
+    assert not caplog.records

@@ -346,8 +346,8 @@ def test_unknown_type_lists_supported():
     ({"fused": True, "foreach": True}, "optimizer.fused", "both"),
     ({"type": "Muon", "momentum": 1.5}, "optimizer.momentum", "1.5"),
     ({"type": "Muon", "ns_steps": 0}, "optimizer.ns_steps", "0"),
-    ({"type": "Muon", "matched_adamw_rms": 0.3}, "optimizer.matched_adamw_rms", "0.3"),
-    ({"type": "Muon", "qk_clip_enabled": True}, "optimizer.qk_clip_enabled", "false"),
+    ({"type": "Muon", "matched_adamw_rms": -0.3}, "optimizer.matched_adamw_rms", "-0.3"),
+    ({"type": "Muon", "qk_clip_threshold": 0}, "optimizer.qk_clip_threshold", "0"),
 ])
 def test_bad_values(section, field, shown):
     with pytest.raises(ConfigError) as err:

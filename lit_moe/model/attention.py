@@ -128,9 +128,14 @@ class CoreAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.use_flash_attention = use_flash_attention
         self.softmax_dtype = softmax_dtype
+        # QK-clip (lit_moe.qk_clip): per-head running maximum of the scaled logits while training
+        self.track_max_logits = False
+        self.max_logits: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.track_max_logits and self.training:
+            self.track_logits(q, k, allowed)
         dropout = self.attention_dropout if self.training else 0.0
         if self.use_flash_attention and allowed is None and dropout == 0.0 and use_block_causal(q):
             # plain causal on a CPU: skip the masked half and stay in the GEMM dtype (ops/attention.py)
@@ -147,6 +152,22 @@ class CoreAttention(nn.Module):
         probs = torch.where(allowed.any(-1, keepdim=True), probs, 0.0)
         probs = F.dropout(probs, p=dropout)
         return torch.matmul(probs.to(v.dtype), v)
+
+    @torch.no_grad()
+    def track_logits(self, q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]) -> None:
+        """Fold this forward's per-head maximum of ``scale · q·k`` over the batch and the allowed
+        (query, key) pairs into :attr:`max_logits` (a running maximum from 0, as MindFormers'
+        ``max_logits_val``). One head at a time: ``[B, S, S]`` fp32 at most, besides the attention."""
+        S, K = q.shape[-2], k.shape[-2]
+        if allowed is None:
+            allowed = torch.ones(S, K, dtype=torch.bool, device=q.device).tril()
+        heads = []
+        for h in range(q.shape[1]):
+            logits = torch.matmul(q[:, h].float(), k[:, h].float().transpose(-1, -2)) * self.scale
+            heads.append(logits.masked_fill(~allowed[:, 0] if allowed.dim() == 4 else ~allowed,
+                                            float("-inf")).amax())
+        step_max = torch.stack(heads).clamp(min=0.0)
+        self.max_logits = step_max if self.max_logits is None else torch.maximum(self.max_logits, step_max)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.6g}, flash={self.use_flash_attention}, softmax_dtype={self.softmax_dtype}"
