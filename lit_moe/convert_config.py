@@ -87,7 +87,7 @@ _INFERENCE = "inference only (KV cache, decoding, quantized serving); lit_moe ha
 _GRAPH = "a MindSpore graph-mode compilation / fused-kernel switch; lit_moe's kernels need no switch"
 _LAYOUT = ("how MindSpore fuses weight tensors in its checkpoints; lit_moe keeps the Hugging Face layout "
            "(convert weights with the checkpoint converters)")
-_REGISTRATION = "MindFormers class registration; lit_moe builds DeepseekV3ForCausalLM"
+_REGISTRATION = "MindFormers class registration; lit_moe builds its model from model_type"
 _DROPPED_MODEL_KEYS = {
     **dict.fromkeys(("block_size", "num_blocks", "use_past", "use_past_shard", "is_dynamic", "max_decode_length",
                      "top_k", "top_p", "do_sample", "repetition_penalty", "batch_size", "checkpoint_name_or_path",
@@ -111,14 +111,30 @@ _FIXED_MODEL_KEYS = {
     "ignore_token_id": ((-100,), "the label id the loss ignores is -100"),
     "embed_dropout_prob": ((0, 0.0), "there is no embedding dropout"),
     "fp32_residual_connection": ((False,), "the residual stream stays in compute_dtype"),
-    "moe_router_pre_softmax": ((False,), "routing scores are normalised after the top-k choice (DeepSeek-V3)"),
     "moe_router_force_expert_balance": ((False,), "tokens are routed by score"),
     "moe_z_loss_coeff": ((None, 0, 0.0), "there is no router z-loss"),
     "mean": ((0, 0.0), "weights are initialised with mean 0"),
     "res_dtype": ((None,), "the residual stream stays in compute_dtype"),
 }
 # Architectures lit_moe builds (model_type / architectures / legacy model.arch.type).
-_DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_mtp", "DeepseekV3Config")
+_BUILT = ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_mtp", "DeepseekV3Config", "Qwen3MoeForCausalLM",
+          "qwen3_moe", "Qwen3MoeConfig", "Glm4MoeForCausalLM", "glm4_moe", "Glm4MoeConfig")
+# trainer.model_name of the families lit_moe builds: MindFormers builds that model without an
+# architectures / model_type key, so the conversion writes model_type.
+_NAMED_FAMILIES = ("qwen3_moe", "glm4_moe")
+# Graph-mode model keys MindFormers' graph router (parallel_core/training_graph/transformer/moe/router.py)
+# does not read: why they are dropped.
+_UNREAD_ROUTER_KEYS = {
+    "moe_router_pre_softmax": "MindFormers' graph-mode router does not read it: scores are computed over all "
+                              "experts before the top-k choice and norm_topk_prob renormalises the chosen ones, "
+                              "as here",
+}
+# Graph-mode load-balancing types → lit_moe's, with the difference.
+_LOAD_BALANCING = {
+    "gbs_aux_loss": ("aux_loss", "MindFormers' gbs_aux_loss is the Switch balancing loss over the global batch; "
+                                 "lit_moe's aux_loss is the same loss per micro-batch (equal with one micro-batch "
+                                 "per step and data_parallel 1)"),
+}
 # trainer.model_name families of other architectures (MindFormers builds that model without an
 # architectures / model_type key).
 _OTHER_FAMILIES = ("qwen", "glm", "telechat", "llama", "mixtral", "baichuan", "internlm")
@@ -453,14 +469,20 @@ class _Converter:
         if not isinstance(model_config, dict):
             raise ConfigError(f"model.model_config: expected a mapping, got {model_config!r}")
         hf = self.pretrained(model_config)
-        self.check_architecture(model_graph, model_config, hf)
+        named_type = self.check_architecture(model_graph, model_config, hf)
         if "arch" in model_graph:
             self.drop("model.arch", _REGISTRATION)
         _leftovers("model", model_graph, {"model_config", "arch"}, self.dropped)
         model: dict[str, Any] = {}
         for key, value in model_config.items():
             name = f"model.model_config.{key}"
-            if key in _PIPELINE_MODEL_KEYS:
+            if key in _UNREAD_ROUTER_KEYS:
+                self.drop(name, _UNREAD_ROUTER_KEYS[key])
+            elif key == "moe_router_load_balancing_type" and value in _LOAD_BALANCING:
+                target, why = _LOAD_BALANCING[value]
+                self.notes.append(f"{name}: {value!r} → {target!r} ({why})")
+                self.set_model_key(model, key, target, name)
+            elif key in _PIPELINE_MODEL_KEYS:
                 self.pipeline_keys[key] = value   # read by parallelism(); dropped there without stages
             elif key in _DROPPED_MODEL_KEYS:
                 self.drop(name, _DROPPED_MODEL_KEYS[key])
@@ -491,6 +513,12 @@ class _Converter:
                 self.set_model_key(model, key, value, name)
         self.moe_config(model)
         self.merge_pretrained(model, hf)
+        if named_type is not None:
+            model.setdefault("model_type", named_type)
+        if model.get("model_type") == "qwen3_moe" and "qk_layernorm" not in model:
+            model["qk_layernorm"] = True
+            self.notes.append("model.qk_layernorm: True (MindFormers' Qwen3-MoE always builds q/k layernorms, "
+                              "models/qwen3_moe/modeling_qwen3_moe_train.py)")
         self.out["model"] = model
         return model
 
@@ -565,8 +593,9 @@ class _Converter:
             elif aliases.get(key, key) not in given:
                 model[key] = value
 
-    def check_architecture(self, model_graph: dict, model_config: dict, hf: dict) -> None:
-        """lit_moe builds DeepSeek-V3 only: another architecture is refused here, by name, before any key."""
+    def check_architecture(self, model_graph: dict, model_config: dict, hf: dict) -> Optional[str]:
+        """An architecture lit_moe does not build is refused here, by name, before any key; without an
+        architecture key, the model_type ``trainer.model_name`` implies (None: DeepSeek-V3)."""
         arch = model_graph.get("arch") if isinstance(model_graph.get("arch"), dict) else {}
         stated = False
         for name, value in (("model.model_config.architectures", model_config.get("architectures")),
@@ -577,17 +606,23 @@ class _Converter:
                             ("pretrained_model_dir config.json model_type", hf.get("model_type"))):
             values = value if isinstance(value, (list, tuple)) else [value]
             for v in values:
-                if v is not None and v not in _DEEPSEEK_V3:
-                    raise ConfigError(f"{name}: {v!r} is not implemented: lit_moe trains DeepSeek-V3-architecture "
-                                      "models (multi-latent attention, DeepseekV3ForCausalLM) only")
+                if v is not None and v not in _BUILT:
+                    raise ConfigError(f"{name}: {v!r} is not implemented: lit_moe trains DeepSeek-V3, Qwen3-MoE "
+                                      "and GLM-4-MoE architectures only (DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, "
+                                      "Glm4MoeForCausalLM)")
                 stated = stated or v is not None
         if not stated:
-            self.check_model_name()
+            return self.check_model_name()
+        return None
 
-    def check_model_name(self) -> None:
-        """Without an architecture key MindFormers builds the model ``trainer.model_name`` names."""
+    def check_model_name(self) -> Optional[str]:
+        """Without an architecture key MindFormers builds the model ``trainer.model_name`` names: the
+        model_type of a family lit_moe builds (None: DeepSeek-V3); another family is refused."""
         trainer = self.g.get("trainer")
         model_name = str(trainer.get("model_name", "")) if isinstance(trainer, dict) else ""
+        if model_name.lower() in _NAMED_FAMILIES:
+            self.notes.append(f"trainer.model_name: {model_name!r} → model.model_type: {model_name.lower()!r}")
+            return model_name.lower()
         if any(family in model_name.lower() for family in _OTHER_FAMILIES):
             raise ConfigError(f"trainer.model_name: {model_name!r} builds MindFormers' {model_name} model, not DeepSeek-V3 "
                               "(no architectures or model_type says otherwise); lit_moe trains DeepSeek-V3-architecture "

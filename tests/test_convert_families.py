@@ -98,8 +98,9 @@ def test_mcore_pretrain_config(tmp_path, capsys):
         assert "graph-mode compilation" in notes[f"model.model_config.{key}"]
     for key in ("qkv_concat", "use_contiguous_weight_layout_attention", "use_interleaved_weight_layout_mlp"):
         assert "weight tensors" in notes[f"model.model_config.{key}"]
-    for key in ("moe_router_pre_softmax", "moe_z_loss_coeff", "fp32_residual_connection"):
+    for key in ("moe_z_loss_coeff", "fp32_residual_connection"):
         assert "is what lit_moe does" in notes[f"model.model_config.{key}"]
+    assert "graph-mode router does not read it" in notes["model.model_config.moe_router_pre_softmax"]
     for key in ("layer_scale", "layer_decay", "lr_scale_factor"):
         assert "off (layer_scale is false)" in notes[key]
     assert any("'qk_layernorm' is given twice" in ln and "the last one is used" in ln for ln in err)
@@ -151,16 +152,15 @@ def test_mindrecord_training_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name,changes,message", [
-    ("pretrain_mcore", {"model.model_config.architectures": ["Qwen3MoeForCausalLM"]},
-     r"model\.model_config\.architectures: 'Qwen3MoeForCausalLM' is not implemented: lit_moe trains DeepSeek-V3"),
+    ("pretrain_mcore", {"model.model_config.architectures": ["Qwen3ForCausalLM"]},
+     r"model\.model_config\.architectures: 'Qwen3ForCausalLM' is not implemented: lit_moe trains DeepSeek-V3, "
+     r"Qwen3-MoE and GLM-4-MoE"),
     ("legacy_predict", {"model.arch.type": "TelechatForCausalLM"}, r"model\.arch\.type: 'TelechatForCausalLM'"),
-    ("mindrecord_train", {"model.model_config.model_type": None, "trainer.model_name": "qwen3_moe"},
-     r"trainer\.model_name: 'qwen3_moe' builds MindFormers' qwen3_moe model"),
+    ("mindrecord_train", {"model.model_config.model_type": None, "trainer.model_name": "qwen3"},
+     r"trainer\.model_name: 'qwen3' builds MindFormers' qwen3 model"),
     ("pretrain_mcore", {"grouped_lr_schedule": {"default": {"type": "ConstantWarmUpLR"}}},
      r"grouped_lr_schedule: per-parameter-group learning-rate schedules are not implemented yet"),
     ("pretrain_mcore", {"layer_scale": True}, r"layer_scale: True \(layer-wise learning-rate decay\) is not implemented"),
-    ("pretrain_mcore", {"model.model_config.moe_router_pre_softmax": True},
-     r"model\.model_config\.moe_router_pre_softmax: True is not implemented yet"),
     ("legacy_predict", {"model.model_config.ignore_token_id": 0}, r"ignore_token_id: 0 is not implemented yet"),
     ("legacy_predict", {"model.model_config.extend_method": "NTK"}, r"extend_method: 'NTK' is not implemented yet"),
     ("mindrecord_train", {"train_dataset.data_loader.dataset_dir": "/nowhere"},
@@ -173,3 +173,42 @@ def test_refused_by_name_in_one_line(tmp_path, capsys, name, changes, message):
     assert main([str(family(tmp_path, name, **changes)), "-o", str(tmp_path / "x.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
+
+
+@pytest.mark.timeout(600)
+def test_qwen3_moe_pretrain_config_converts_plans_and_trains(tmp_path, capsys):
+    """MindFormers' configs/qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml, shrunk: the Qwen3-MoE family with its
+    router keys (num_experts, routed_scaling_factor 1.5, moe_router_pre_softmax, gbs_aux_loss)."""
+    from helpers import run_cli
+
+    pyn, err = convert(capsys, FAMILIES / "qwen3_moe_pretrain.yaml")
+    notes = dropped_notes(err)
+    assert "graph-mode router does not read it" in notes["model.model_config.moe_router_pre_softmax"]
+    assert any("'gbs_aux_loss' → 'aux_loss'" in ln and "global batch" in ln for ln in err)
+    m = pyn["model"]
+    assert (m["model_type"], m["qk_layernorm"], m["n_routed_experts"], m["routed_scaling_factor"],
+            m["moe_router_load_balancing_type"], m["head_dim"]) == ("qwen3_moe", True, 8, 1.5, "aux_loss", 16)
+    assert pyn["parallelism"]["expert_parallel"] == 2
+    plans(capsys, pyn, tmp_path, 2)
+
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
+
+    built = DeepseekV3Config(**read_pynative_model_section(m))
+    assert (built.multi_latent_attention, built.scoring_func, built.n_shared_experts, built.norm_topk_prob,
+            built.num_nextn_predict_layers, built.kv_heads, built.moe_aux_loss_coeff) == (
+        False, "softmax", 0, False, 0, 2, 0.001)
+
+    # one process trains a step on mock documents (the data_path is a placeholder)
+    cfg = pyn["train_dataset"]["dataloader"]["config"]
+    cfg.pop("data_path")
+    cfg.update(mock=True, vocab_size=m["vocab_size"])
+    pyn["train_dataset"]["num_parallel_workers"] = 0
+    pyn["parallelism"]["expert_parallel"] = 1
+    pyn["training"]["steps"] = 1
+    pyn["model"].update(compute_dtype="float32", seq_length=32)   # the shrunk data's (the YAML relies on 4096)
+    run_cfg = tmp_path / "run.yaml"
+    run_cfg.write_text(yaml.safe_dump(pyn, sort_keys=False))
+    result = run_cli(["fit", "--config", str(run_cfg)], cwd=tmp_path, timeout=540)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1/1" in result.stdout + result.stderr

@@ -34,9 +34,25 @@ SKIP_AT = 2
 
 
 def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False, compile=False,
-            cp_method="colossal", cp_async=False):
+            cp_method="colossal", cp_async=False, family="deepseek_v3"):
     return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
-                mtp=0 if cp > 1 else 1, compile=compile, cp_method=cp_method, cp_async=cp_async)
+                mtp=0 if cp > 1 or family != "deepseek_v3" else 1, compile=compile, cp_method=cp_method,
+                cp_async=cp_async, family=family)
+
+
+# The other families' sections: the same sizes with grouped-query attention and their routers.
+FAMILY_SECTIONS = {
+    "deepseek_v3": {},
+    "qwen3_moe": dict(model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, n_group=1, topk_group=1,
+                      n_shared_experts=0, scoring_func="softmax", moe_router_enable_expert_bias=False,
+                      norm_topk_prob=True),   # seq_aux_loss: per sequence, so equal on any data split
+    "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, head_dim=16, attention_bias=True,
+                     qk_layernorm=True),
+}
+
+
+def section(spec: dict) -> dict:
+    return {**model_section(spec["mtp"]), **FAMILY_SECTIONS[spec["family"]], "torch_compile": spec["compile"]}
 
 
 LAYOUTS = {
@@ -54,6 +70,10 @@ LAYOUTS = {
     "cp2_ulysses_async_compile": _layout(2, cp=2, compile=True, cp_method="ulysses", cp_async=True),
     # FSDP over 4 ranks, step 2 vetoed by a StepGuard: nothing changes, the next step goes on from step 1
     "dp4_skip": _layout(4, skip=True),
+    # the other families: Qwen3-MoE's softmax router under expert parallel, GLM-4-MoE's q/k/v heads and
+    # biases under tensor parallel
+    "qwen3_dp2_ep2": _layout(2, ep=2, family="qwen3_moe"),
+    "glm4_tp2": _layout(2, tp=2, family="glm4_moe"),
 }
 
 
@@ -113,7 +133,7 @@ def build_run(spec: dict, dp_rank_of=None):
                 tokens_per_expert=m.moe.tokens_per_expert.tolist(), layer_aux=m.moe.aux_loss.tolist(),
                 expert_bias=m.moe.expert_bias.tolist(), compiled=compile_state()))
 
-    cfg = DeepseekV3Config(**model_section(spec["mtp"]), torch_compile=spec["compile"])
+    cfg = DeepseekV3Config(**section(spec))
     if spec["compile"]:
         use_aot_eager_backend()
     training = TrainingConfig(steps=STEPS, local_batch_size=GLOBAL // (spec["dp"] * A), global_batch_size=GLOBAL,
@@ -180,8 +200,7 @@ def run_layout(name: str) -> list[dict]:
                                     context_parallel_method=spec["cp_method"], context_parallel_async=spec["cp_async"],
                                     gradient_sync_every_microbatch=spec["sync"])
     strategy = AscendFSDPStrategy(parallelism=parallelism,
-                                  model_config=DeepseekV3Config(**model_section(spec["mtp"]),
-                                                                torch_compile=spec["compile"]))
+                                  model_config=DeepseekV3Config(**section(spec)))
     return fit(spec, strategy, spec["world"])
 
 
@@ -215,9 +234,9 @@ def references():
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     out = {}
     try:
-        for mtp, skip in sorted({(s["mtp"], s["skip"]) for s in LAYOUTS.values()}):
-            spec = dict(_layout(1, skip=skip), mtp=mtp, dp=1)
-            out[(mtp, skip)] = fit(spec, AscendFSDPStrategy(), 1)
+        for mtp, skip, family in sorted({(s["mtp"], s["skip"], s["family"]) for s in LAYOUTS.values()}):
+            spec = dict(_layout(1, skip=skip, family=family), mtp=mtp, dp=1)
+            out[(mtp, skip, family)] = fit(spec, AscendFSDPStrategy(), 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -235,7 +254,7 @@ def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_real_step_matches_one_process(name, layout_results, references):
     spec = LAYOUTS[name]
-    got, ref = layout_results[name], references[(spec["mtp"], spec["skip"])]
+    got, ref = layout_results[name], references[(spec["mtp"], spec["skip"], spec["family"])]
     assert [r["step"] for r in got] == [1, 2, 3]                       # one record per optimizer step
     assert all(r["micro"] == spec["accumulation"] for r in got)        # A micro-batches in each
     assert [r["skipped"] for r in got] == [r["skipped"] for r in ref] == [k + 1 == SKIP_AT and spec["skip"]
@@ -258,7 +277,8 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
                         for n in r[key])   # step 1 at learning rate 0 (warm-up): every update exactly 0
             assert worst <= bound, (name, g["step"], key, worst)
     # the reference really trained: losses and biases move between steps
-    assert ref[0]["loss"] != ref[-1]["loss"] and ref[0]["expert_bias"] != ref[-1]["expert_bias"]
+    assert ref[0]["loss"] != ref[-1]["loss"]
+    assert (ref[0]["expert_bias"] != ref[-1]["expert_bias"]) == (spec["family"] != "qwen3_moe")   # Qwen3: no bias
     if spec["skip"]:
         # the skipped step changed nothing: step 3 sees the biases of step 1
         assert got[1]["expert_bias"] == got[0]["expert_bias"]

@@ -105,11 +105,15 @@ def read_pynative_model_section(section: dict) -> dict:
 
     out = dict(section)
     defaults = {f: getattr(DeepseekV3Config, f) for f in KEPT}
-    for field in FILLED:
-        if not _given(out, field):
-            out[field] = MINDFORMERS_DEFAULTS[field]
-    if not _given(out, "original_max_position_embeddings"):   # MindFormers' YaRN original length
-        out["original_max_position_embeddings"] = out["max_position_embeddings"]
+    # the table is MindFormers' DeepSeek-V3 config's; another family (model_type qwen3_moe, glm4_moe) gets
+    # its own defaults (lit_moe.model.families)
+    deepseek = out.get("model_type") in (None, "deepseek_v3", "deepseek_mtp")
+    if deepseek:
+        for field in FILLED:
+            if not _given(out, field):
+                out[field] = MINDFORMERS_DEFAULTS[field]
+        if not _given(out, "original_max_position_embeddings"):   # MindFormers' YaRN original length
+            out["original_max_position_embeddings"] = out["max_position_embeddings"]
     # MindFormers ignores scaling_factor (a white-listed key; its YaRN factor is rotary_scaling_factor) and
     # deletes scoring_func (it routes with moe_router_score_function).
     for key, alias in (("scaling_factor", "rotary_scaling_factor"), ("scoring_func", "moe_router_score_function")):
@@ -119,8 +123,10 @@ def read_pynative_model_section(section: dict) -> dict:
             if value != effective:
                 _note(f"model.{key}: {value!r} has no effect, as in MindFormers (which reads {alias}); "
                       f"{alias} is {effective!r}; write {alias}: {value!r} to use it")
+    # (another family without the key has no MTP layers)
+    seen = out if deepseek else {"num_nextn_predict_layers": 0, **out}
     for field, (why, relies) in KEPT.items():
-        if relies is not None and not _given(out, field) and _safely(relies, out):
+        if relies is not None and not _given(out, field) and _safely(relies, seen):
             _note(f"model.{field}: not set; lit_moe uses {defaults[field]!r}, MindFormers' default is "
                   f"{MINDFORMERS_DEFAULTS[field]!r} ({why})")
     return out

@@ -138,6 +138,10 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} must divide model.num_attention_heads {heads} "
                 "(tensor parallel shards attention heads)")
+        if T > 1 and getattr(model_config, "multi_latent_attention", True) is False and model_config.kv_heads % T:
+            raise ParallelismError(
+                f"parallelism.tensor_parallel: {T} must divide the key/value heads of grouped-query attention "
+                f"(model.num_key_value_heads {model_config.kv_heads}; tensor parallel shards them)")
         if T > 1:
             # (routed experts are not tensor-parallel: they split tokens, not weights)
             for name in ("vocab_size", "intermediate_size"):

@@ -7,6 +7,8 @@ reduce-scatters its partial output on exit:
 
 * MLA: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` are column-parallel (heads split), ``o_proj``
   row-parallel; the low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms are replicated.
+  Grouped-query attention: ``q_proj``/``k_proj``/``v_proj`` (and their biases) column-parallel, each
+  rank keeping whole key/value heads with their query groups; the per-head q/k norms are replicated.
 * dense MLP and shared experts: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
 * embedding: vocabulary-parallel rows; each rank looks up its ids, the partial sums are
   reduce-scattered along the sequence.
@@ -53,6 +55,8 @@ def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -
 
 def _colwise(linear: nn.Module, mesh) -> None:
     distribute_param(linear, "weight", mesh, [Shard(0)])
+    if linear.bias is not None:   # GQA's q/k/v biases follow their output rows
+        distribute_param(linear, "bias", mesh, [Shard(0)])
     _shard_adapters(linear, mesh, "colwise")
     use_local_params(linear)
 
@@ -87,7 +91,7 @@ def _sequence_parallel_block(block: nn.Module, group) -> None:
 
 
 def tp_attention(attn: nn.Module, mesh) -> None:
-    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+    for name in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj"):   # MLA's, then GQA's k/v heads
         if hasattr(attn, name):
             _colwise(getattr(attn, name), mesh)
     _rowwise(attn.o_proj, mesh)
