@@ -71,8 +71,8 @@ _DEFAULT_EPS = 1e-8
 _DEFAULT_ADAMW_INCLUDE = ("*word_embeddings*", "*output_layer*")
 # Megatron-Core's precision-aware optimizer names (MindFormers' PyNative AdamW keeps its moments in the
 # parameters' dtype and has no such key): the storage dtype of AdamW's first and second moments.
-MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "torch.float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
+MOMENT_DTYPES = {"float32": "float32", "fp32": "float32", "torch.float32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16"}
 
 
 @dataclass
@@ -90,8 +90,8 @@ class OptimizerSettings:
     eps: float = _DEFAULT_EPS
     amsgrad: bool = False
     maximize: bool = False
-    exp_avg_dtype: torch.dtype = torch.float32
-    exp_avg_sq_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: str = "float32"        # a torch dtype name (the settings are recorded as JSON)
+    exp_avg_sq_dtype: str = "float32"
     # Muon
     momentum: float = 0.95
     nesterov: bool = True
@@ -156,10 +156,10 @@ def _rules(section: dict, key: str, default: Iterable[str] = ()) -> list[str]:
     return list(value)
 
 
-def _moment_dtype(section: dict, key: str) -> torch.dtype:
+def _moment_dtype(section: dict, key: str) -> str:
     value = section.get(key)
     if value is None:
-        return torch.float32
+        return "float32"
     name = str(value).strip().lower() if isinstance(value, (str, torch.dtype)) else None
     if name not in MOMENT_DTYPES:
         raise ConfigError(f"{_field(key)}: expected float32 or bfloat16 (fp32, bf16), got {value!r}")
@@ -169,7 +169,7 @@ def _moment_dtype(section: dict, key: str) -> torch.dtype:
 def low_precision_moments(settings: OptimizerSettings) -> bool:
     """Whether AdamW keeps a moment in a dtype other than float32 (then :class:`AdamWStoredMoments`)."""
     return settings.type == "AdamW" and (
-        settings.exp_avg_dtype != torch.float32 or settings.exp_avg_sq_dtype != torch.float32)
+        settings.exp_avg_dtype != "float32" or settings.exp_avg_sq_dtype != "float32")
 
 
 def optimizer_state_bytes(name: str, param: torch.Tensor, settings: OptimizerSettings) -> int:
@@ -177,8 +177,8 @@ def optimizer_state_bytes(name: str, param: torch.Tensor, settings: OptimizerSet
     moments in their storage dtypes (``lit_moe plan``)."""
     if settings.type == "Muon":
         return 4 if uses_muon(name, param, settings) else 8
-    return (torch.empty((), dtype=settings.exp_avg_dtype).element_size()
-            + torch.empty((), dtype=settings.exp_avg_sq_dtype).element_size())
+    return (torch.empty((), dtype=getattr(torch, settings.exp_avg_dtype)).element_size()
+            + torch.empty((), dtype=getattr(torch, settings.exp_avg_sq_dtype)).element_size())
 
 
 def ns_schedule(coefficients: Any, ns_steps: int) -> tuple[tuple[float, float, float], ...]:
@@ -593,8 +593,9 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
         kernels["fused"] = True
     if low_precision_moments(settings):
         optimizer = AdamWStoredMoments(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
-                                       weight_decay=settings.weight_decay, exp_avg_dtype=settings.exp_avg_dtype,
-                                       exp_avg_sq_dtype=settings.exp_avg_sq_dtype)
+                                       weight_decay=settings.weight_decay,
+                                       exp_avg_dtype=getattr(torch, settings.exp_avg_dtype),
+                                       exp_avg_sq_dtype=getattr(torch, settings.exp_avg_sq_dtype))
     elif settings.type == "AdamW":
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=settings.betas, eps=settings.eps,
                                       weight_decay=settings.weight_decay, amsgrad=settings.amsgrad,

@@ -30,6 +30,8 @@ from lit_moe.checkpoint.layout import CheckpointError
 
 # OptimizerSettings fields that choose an implementation, not the mathematics.
 _IMPLEMENTATION_ONLY = ("foreach", "fused")
+# Fields added later, recorded only when not at their default (checkpoints written before them resume).
+_RECORDED_WHEN_SET = {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32"}
 
 
 def run_settings(lr_section: dict, optimizer_section: dict, total_steps: int) -> dict[str, dict[str, Any]]:
@@ -39,7 +41,7 @@ def run_settings(lr_section: dict, optimizer_section: dict, total_steps: int) ->
 
     schedule = dataclasses.asdict(resolve_schedule(lr_section, total_steps))
     optimizer = {k: v for k, v in dataclasses.asdict(validate_optimizer_section(optimizer_section)).items()
-                 if k not in _IMPLEMENTATION_ONLY}
+                 if k not in _IMPLEMENTATION_ONLY and _RECORDED_WHEN_SET.get(k, object()) != v}
     return json.loads(json.dumps({"lr_scheduler": schedule, "optimizer": optimizer}))  # tuples → lists
 
 

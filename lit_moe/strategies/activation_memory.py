@@ -203,6 +203,28 @@ def stage_activation_bytes(config: Any, layers: range, tokens: int, batch: int, 
     return total
 
 
+def last_stage_extra_bytes(config: Any, tokens: int, batch: int, seq: int, *,
+                           recompute_layers: frozenset = frozenset(), **kwargs) -> int:
+    """What the last stage saves besides its decoder layers: the final norm and loss head, and per MTP
+    depth its decoder block and its own norms and head."""
+    total = head_bytes(config, tokens)
+    L = config.num_hidden_layers
+    for j in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
+        total += layer_activation_bytes(config, L + j, tokens, batch, seq, recompute=(L + j) in recompute_layers,
+                                        **kwargs)
+        total += head_bytes(config, tokens)
+    return total
+
+
+def model_activation_bytes(config: Any, tokens: int, batch: int, seq: int, *,
+                           recompute_layers: frozenset = frozenset(), **kwargs) -> int:
+    """Without pipelines: one micro-batch's saved bytes of the whole model (the peak, reached at the end
+    of its forward; the next micro-batch's forward starts after this backward has freed them)."""
+    return (stage_activation_bytes(config, range(config.num_hidden_layers), tokens, batch, seq,
+                                   recompute_layers=recompute_layers, **kwargs)
+            + last_stage_extra_bytes(config, tokens, batch, seq, recompute_layers=recompute_layers, **kwargs))
+
+
 # ----------------------------------------------------------------------------------------------
 # the schedule's peak: which stage chunks a rank holds at once
 # ----------------------------------------------------------------------------------------------
@@ -286,14 +308,9 @@ def pipeline_activation_plan(config: Any, layout: Any, microbatches: int, batch:
                                        recompute_layers=recompute_layers, **kwargs)
              for s, (a, b) in enumerate(layout.ranges)}
     last = layout.num_stages - 1
-    chunk[last] += head_bytes(config, tokens)
+    chunk[last] += last_stage_extra_bytes(config, tokens, batch, seq, recompute_layers=recompute_layers, **kwargs)
     L = config.num_hidden_layers
     depths = getattr(config, "num_nextn_predict_layers", 0) or 0
-    for j in range(depths):
-        # an MTP depth: a decoder block and its own norms and head on the last stage
-        chunk[last] += layer_activation_bytes(config, L + j, tokens, batch, seq,
-                                              recompute=(L + j) in recompute_layers, **kwargs)
-        chunk[last] += head_bytes(config, tokens)
     held = {s: 0 for s in chunk}
     if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
         grad_kwargs = {k: v for k, v in kwargs.items() if k in ("expert_rows", "heads")}

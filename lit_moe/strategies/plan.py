@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "-c", required=True, action="append",
                         help="pynative.yaml (repeatable: later files merge into earlier ones)")
     parser.add_argument("--world-size", "-n", type=int, required=True, help="number of processes (devices)")
+    parser.add_argument("--device-memory", default=None,
+                        help="memory of one device (80GiB, 80GB, or a name: H100, H800, H200, A100, 910B): "
+                             "prints whether the most loaded rank fits, and what would make it fit")
     parser.epilog = ("Any --SECTION.KEY VALUE changes one key of the configuration, as with lit_moe fit "
                      "(e.g. --parallelism.expert_parallel 8).")
     return parser
@@ -144,10 +147,11 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
     return dims, accumulation
 
 
-def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None
-         ) -> dict[str, Any]:
+def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None,
+         device_memory: Optional[str] = None) -> dict[str, Any]:
     """Validate and describe the layout; returns the numbers it printed (for tests). ``config_path``
-    is one path or a list (merged in order); ``overrides`` are ``(dotted key, YAML value)`` pairs."""
+    is one path or a list (merged in order); ``overrides`` are ``(dotted key, YAML value)`` pairs;
+    ``device_memory`` (``80GiB`` or a device name) adds the fits / does-not-fit line."""
     from lit_moe.config import check_top_level
     from lit_moe.config_file import resolve
 
@@ -225,17 +229,24 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p("model", file=out)
     p(f"  parameters: total {_fmt_count(total)} ({total:,}), active per token {_fmt_count(active)} ({active:,})",
       file=out)
+    mtp = _count(counts, "mtp")
+    if mtp:
+        p(f"  with the MTP layers: {_fmt_count(total + mtp)} ({mtp:,} in {model_config.num_nextn_predict_layers} "
+          "MTP depth(s); the per-rank bytes below include them)", file=out)
     p(f"  training FLOPs per token: {_fmt_count(flops)} (forward + backward, at sequence length {seq_length})",
       file=out)
-    p("per-rank memory (rank 0, from its local shards)", file=out)
+    p("per-rank memory (rank 0, from its local shards"
+      + ("; of every pipeline stage: a pipeline rank holds its stages' part, in the peak table below)"
+         if dims.pp > 1 else ")"), file=out)
     p(f"  parameters ({model_config.params_dtype}): {_fmt_bytes(mem['params'])} "
       f"({mem['params_numel']:,} values; {mem['params_numel'] / max(total, 1):.4%} of the model)", file=out)
     p(f"  gradients (fp32, sharded): {_fmt_bytes(mem['grads'])}", file=out)
     if not parallelism.gradient_sync_every_microbatch:
         p(f"  gradients kept unsharded between micro-batches (gradient_sync_every_microbatch: false): "
           f"{_fmt_bytes(mem['unsharded_grads'])}", file=out)
-    p(f"  optimizer state ({optimizer_section.get('type', 'AdamW')}, fp32): {_fmt_bytes(mem['optimizer'])}", file=out)
-    p(f"  total (without activations): {_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
+    p(f"  optimizer state ({_optimizer_label(optimizer_section)}): {_fmt_bytes(mem['optimizer'])}", file=out)
+    p(f"  total (without activations{', all stages' if dims.pp > 1 else ''}): "
+      f"{_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
     if dims.pp > 1:
         from lit_moe.strategies.pipeline import PipelineLayout, plan_stages
 
@@ -256,8 +267,26 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
             p(f"    pipeline rank {r}: {_fmt_bytes(row['bytes'])} ({row['chunks']} stage chunks in flight x "
               f"{_fmt_bytes(row['per_microbatch'] / max(len(layout.stages_of(r)), 1))} per chunk on average)", file=out)
         mem["activations_by_rank"] = [row["bytes"] for row in activations["ranks"]]
+    from lit_moe.strategies.memory_plan import print_peaks
+
+    peaks = print_peaks(out, model_config, dims, parallelism, recompute, recompute_comm, optimizer_section,
+                        accumulation, training.local_batch_size, seq_length, mem, device_memory)
     return {"dims": dims, "accumulation": accumulation, "total": total, "active": active, "flops": flops,
-            "memory": mem}
+            "memory": mem, "total_with_mtp": total + mtp, "model_config": model_config, "parallelism": parallelism,
+            "seq_length": seq_length, "local_batch_size": training.local_batch_size, **peaks}
+
+
+def _optimizer_label(optimizer_section: dict) -> str:
+    from lit_moe.optim import validate_optimizer_section
+
+    settings = validate_optimizer_section(optimizer_section)
+    if settings.type != "AdamW":
+        return f"{settings.type}, fp32"
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    first, second = short[settings.exp_avg_dtype], short[settings.exp_avg_sq_dtype]
+    if first == second:
+        return "AdamW, fp32" if first == "fp32" else f"AdamW, {first} moments"
+    return f"AdamW, exp_avg {first}, exp_avg_sq {second}"
 
 
 def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation: int, local_batch_size: int,
@@ -269,15 +298,9 @@ def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation
     sequence split of the norms and MLPs between attention blocks is not modelled (an over-estimate
     there). Fully recomputed layers (``recompute.mode: full``) keep only their input."""
     from lit_moe.strategies.activation_memory import pipeline_activation_plan
-    from lit_moe.strategies.recompute import validate_recompute
+    from lit_moe.strategies.memory_plan import configured_full_layers
 
-    full: frozenset = frozenset()
-    if recompute is not None or recompute_comm is not None:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            full = frozenset(validate_recompute(recompute, recompute_comm, model_config.total_layers).full_layers)
+    full = configured_full_layers(model_config, recompute, recompute_comm)
     seq = seq_length // dims.cp
     rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq, recompute_layers=full,
                                     core_attention=core_attention,
@@ -306,7 +329,8 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
             model = DeepseekV3ForCausalLM(model_config)
         model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
                             model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
-        out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model)}
+        out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model),
+               "fsdp_buffers": _fsdp_buffer_bytes(model, model_config)}
         if dims.pp > 1:
             from lit_moe.strategies.pipeline import PipelineLayout, parameters_of_ranks
 
@@ -318,6 +342,25 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
     finally:
         dist.destroy_process_group()
         dims.meshes = {}
+
+
+def _fsdp_buffer_bytes(model: torch.nn.Module, model_config: Any) -> int:
+    """FSDP's transient bytes at a layer boundary: two decoder layers gathered in the compute dtype (the
+    running one and the prefetched next) and one layer's unsharded fp32 gradients before the
+    reduce-scatter, of the largest layer (``lit_moe plan``'s peak)."""
+    from torch.distributed.tensor import DTensor
+
+    compute = torch.empty((), dtype=model_config.torch_dtype("compute_dtype")).element_size()
+    sizes = _fsdp_shard_sizes(model)
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] in ("layers", "mtp") and len(parts) > 1 and sizes.get(name, 1) > 1:
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            key = ".".join(parts[:2])
+            per_layer[key] = per_layer.get(key, 0) + local.numel() * sizes[name]
+    largest = max(per_layer.values(), default=0)
+    return largest * (2 * compute + 4)
 
 
 def _param_bytes_by_name(model: torch.nn.Module) -> dict[str, int]:
@@ -485,7 +528,11 @@ def main(argv: list[str]) -> int:
         _, overrides, unknown = split_argv(rest, TOP_LEVEL_KEYS)
         if unknown:
             raise ConfigError(f"unexpected argument {unknown[0]!r}")
-        plan(args.config, args.world_size, overrides=overrides)
+        if args.device_memory is not None:
+            from lit_moe.strategies.memory_plan import parse_device_memory
+
+            parse_device_memory(args.device_memory)   # a bad value is refused before the model is built
+        plan(args.config, args.world_size, overrides=overrides, device_memory=args.device_memory)
     except (ConfigError, ValueError) as err:
         from lit_moe.tool_errors import one_line
 

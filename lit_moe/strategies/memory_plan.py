@@ -1,0 +1,214 @@
+"""The peak memory each rank of a run holds (``lit_moe plan``), and whether it fits a device.
+
+Per rank (per pipeline rank with pipelines; without them every rank holds what rank 0 holds, rank 0
+having the larger pieces of an uneven split): the parameters, gradients and optimizer state of its
+local shards (:func:`lit_moe.strategies.plan.per_rank_bytes`), the activations autograd keeps for
+backward at the schedule's peak (:mod:`lit_moe.strategies.activation_memory`; without pipelines one
+micro-batch of the whole model, since each micro-batch's backward frees them before the next forward),
+and FSDP's transient buffers: the compute-dtype copies of two decoder layers gathered at once (the
+current one and the prefetched next) and the fp32 unsharded gradients of one layer before their
+reduce-scatter. The headline is the most loaded rank.
+
+Recompute: ``recompute.mode: full`` layers keep only their input; ``mode: select`` modules are not
+modelled (their saved tensors are counted as kept, an over-estimate). The plan also gives every rank's
+peak with full recompute of every layer, and with bf16 optimizer moments, which is what it names when
+the run does not fit (``--device-memory``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+GiB = 1024 ** 3
+
+# Device memory by name (``--device-memory H100``): the memory of the usual training part of each name.
+DEVICE_MEMORY_GIB = {"H100": 80, "H800": 80, "H200": 141, "A100": 80, "910B": 64}
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+          "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_device_memory(text: str) -> tuple[int, str]:
+    """``(bytes, description)`` of ``--device-memory``: a size (``80GiB``, ``141 GiB``, ``80GB`` = 80e9
+    bytes, a plain number of bytes) or a device name of :data:`DEVICE_MEMORY_GIB`; ValueError naming
+    the value otherwise."""
+    name = str(text).strip()
+    for device, gib in DEVICE_MEMORY_GIB.items():
+        if name.upper() == device:
+            return gib * GiB, f"{device}, {gib} GiB"
+    match = _SIZE.match(name)
+    if match is None or (match.group(2) or "").lower() not in _UNITS:
+        known = ", ".join(DEVICE_MEMORY_GIB)
+        raise ValueError(f"--device-memory: expected a size such as 80GiB or a device name ({known}), got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if value <= 0:
+        raise ValueError(f"--device-memory: must be positive, got {text!r}")
+    return value, f"{value / GiB:.1f} GiB"
+
+
+@dataclass
+class RankPeak:
+    """One rank's bytes at its peak."""
+
+    name: str
+    params: int
+    grads: int          # sharded fp32 gradients (+ the unsharded ones kept between micro-batches)
+    optimizer: int
+    activations: int    # saved for backward at the schedule's peak
+    buffers: int        # FSDP's gathered layers and unsharded gradients in flight
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def rank_peaks(mem: dict, activations: list[int], parallelism: Any, buffers: int = 0,
+               optimizer_scale: float = 1.0) -> list[RankPeak]:
+    """A :class:`RankPeak` per pipeline rank (one, ``rank 0``, without pipelines) from
+    :func:`~lit_moe.strategies.plan.per_rank_bytes` and the activations of each pipeline rank;
+    ``optimizer_scale`` scales the optimizer state (0.5: AdamW's fp32 moments stored in bf16)."""
+    from lit_moe.strategies.plan import state_bytes
+
+    per_rank = mem.get("pipeline_ranks") or [mem]
+    names = [f"pipeline rank {r}" for r in range(len(per_rank))] if "pipeline_ranks" in mem else ["rank 0"]
+    rows = []
+    for name, m, act in zip(names, per_rank, activations):
+        grads = state_bytes(m, parallelism) - m["params"] - m["optimizer"]
+        rows.append(RankPeak(name, m["params"], grads, int(m["optimizer"] * optimizer_scale), act, buffers))
+    return rows
+
+
+def most_loaded(rows: list[RankPeak]) -> RankPeak:
+    return max(rows, key=lambda r: r.total)
+
+
+def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumulation: int, local_batch_size: int,
+                        seq_length: int, recompute_layers: frozenset, core_attention: str = "fused") -> list[int]:
+    """The activations each pipeline rank keeps at its schedule's peak (one entry without pipelines):
+    ``local_batch_size`` sequences of ``seq_length / cp`` tokens, ``heads / tp`` attention heads (TP's
+    sequence split of the norms and MLPs is not modelled: an over-estimate under TP). ``core_attention``:
+    ``fused`` (GPU/NPU kernels) or ``math`` (torch's CPU path)."""
+    from lit_moe.strategies.activation_memory import model_activation_bytes, pipeline_activation_plan
+
+    seq = seq_length // dims.cp
+    kwargs = dict(heads=model_config.num_attention_heads // dims.tp, core_attention=core_attention,
+                  weight_copies=False if dims.world_size // dims.pp > 1 else None)
+    rematerialised = recomputed_layer_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
+                                            recompute_layers, **kwargs)
+    if dims.pp == 1:
+        return [rematerialised + model_activation_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
+                                                        recompute_layers=recompute_layers, **kwargs)]
+    from lit_moe.strategies.pipeline import PipelineLayout
+
+    layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+    rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq,
+                                    recompute_layers=recompute_layers, **kwargs)
+    return [rematerialised + row["bytes"] for row in rows]
+
+
+def recomputed_layer_bytes(model_config: Any, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
+                           **kwargs: Any) -> int:
+    """A fully recomputed layer saves its whole activations again when its backward reruns its forward:
+    the largest such layer's bytes beyond the input it kept (0 without full recompute)."""
+    from lit_moe.strategies.activation_memory import layer_activation_bytes
+
+    return max((layer_activation_bytes(model_config, i, tokens, batch, seq, **kwargs)
+                - layer_activation_bytes(model_config, i, tokens, batch, seq, recompute=True, **kwargs)
+                for i in recompute_layers), default=0)
+
+
+def fits_line(need: RankPeak, have: int, what: str, alternatives: list[tuple[str, RankPeak]]) -> str:
+    """``fits`` or ``does not fit (X GiB > Y GiB); would fit with: ...`` naming the first alternative
+    (in the order given: the cheapest change first) whose most loaded rank fits."""
+    if need.total <= have:
+        return f"device memory {what}: fits ({need.total / GiB:.1f} GiB <= {have / GiB:.1f} GiB, {need.name})"
+    head = f"device memory {what}: does not fit ({need.total / GiB:.1f} GiB > {have / GiB:.1f} GiB, {need.name})"
+    for change, peak in alternatives:
+        if peak.total <= have:
+            return f"{head}; would fit with: {change} ({peak.total / GiB:.1f} GiB, {peak.name})"
+    tried = ", ".join(f"{change} {peak.total / GiB:.1f} GiB" for change, peak in alternatives)
+    return (f"{head}; would fit with: more ranks for the model state (more pipeline_parallel / expert_parallel / "
+            f"data_parallel_shard){' (tried: ' + tried + ')' if tried else ''}")
+
+
+def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recompute: Any, recompute_comm: Any,
+                optimizer_section: Optional[dict], accumulation: int, local_batch_size: int, seq_length: int,
+                mem: dict, device_memory: Optional[str] = None) -> dict[str, Any]:
+    """Print the per-rank peak table, its headline and (with ``device_memory``) the fits line; return the
+    rows (``peaks``, ``full_recompute``, ``bf16_moments``) and the line (``fits``)."""
+    from lit_moe.optim import low_precision_moments, validate_optimizer_section
+
+    configured = configured_full_layers(model_config, recompute, recompute_comm)
+    every_layer = frozenset(range(model_config.total_layers))
+    args = (model_config, dims, parallelism, accumulation, local_batch_size, seq_length)
+    buffers = mem.get("fsdp_buffers", 0)
+    peaks = rank_peaks(mem, activations_by_rank(*args, configured), parallelism, buffers)
+    full = (peaks if configured == every_layer
+            else rank_peaks(mem, activations_by_rank(*args, every_layer), parallelism, buffers))
+    settings = validate_optimizer_section(optimizer_section or {"type": "AdamW"})
+    can_halve = settings.type == "AdamW" and not low_precision_moments(settings)
+    bf16 = rank_peaks(mem, activations_by_rank(*args, configured), parallelism, buffers, 0.5) if can_halve else None
+    both = rank_peaks(mem, activations_by_rank(*args, every_layer), parallelism, buffers, 0.5) if can_halve else None
+
+    select = getattr(recompute, "mode", None) in ("select", "selective")
+    recompute_text = (f"full recompute of layers {_ranges(configured)}" if configured else "no full recompute")
+    p = print
+    p(f"peak memory per rank ({local_batch_size} x {seq_length // dims.cp} tokens per micro-batch, {recompute_text}"
+      + ("; select_module recompute not modelled, counted as kept" if select else "") + ")", file=out)
+    p(f"  {'':17s}{'params':>11s}{'grads':>11s}{'optimizer':>11s}{'activations':>13s}{'buffers':>10s}"
+      f"{'total':>11s}", file=out)
+    for r in peaks:
+        p(f"  {r.name:17s}" + "".join(f"{v / GiB:{w}.2f}" for v, w in (
+            (r.params, 11), (r.grads, 11), (r.optimizer, 11), (r.activations, 13), (r.buffers, 10), (r.total, 11)))
+          + " GiB", file=out)
+    top = most_loaded(peaks)
+    p(f"  most loaded: {top.name}, {top.total / GiB:.2f} GiB (parameters {top.params / GiB:.2f}, gradients "
+      f"{top.grads / GiB:.2f}, optimizer {top.optimizer / GiB:.2f}, activations {top.activations / GiB:.2f}, "
+      f"FSDP buffers {top.buffers / GiB:.2f})", file=out)
+    alternatives = []   # the cheapest change first: bf16 moments cost no compute, full recompute one forward
+    if bf16 is not None:
+        m = most_loaded(bf16)
+        p(f"  with bf16 moments (optimizer.exp_avg_dtype / exp_avg_sq_dtype: bfloat16): {m.total / GiB:.2f} GiB "
+          f"({m.name})", file=out)
+        alternatives.append(("bf16 moments (optimizer.exp_avg_dtype / exp_avg_sq_dtype: bfloat16)", m))
+    if configured != every_layer:
+        m = most_loaded(full)
+        p(f"  with full recompute of every layer: {m.total / GiB:.2f} GiB ({m.name})", file=out)
+        alternatives.append(("full recompute (recompute.mode: full, every layer)", m))
+        if bf16 is not None:
+            alternatives.append(("full recompute and bf16 moments", most_loaded(both)))
+    line = None
+    if device_memory is not None:
+        have, what = parse_device_memory(device_memory)
+        line = fits_line(top, have, what, alternatives)
+        p(line, file=out)
+    return {"peaks": peaks, "full_recompute": full, "bf16_moments": bf16, "fits": line, "full_layers": configured}
+
+
+def configured_full_layers(model_config: Any, recompute: Any, recompute_comm: Any) -> frozenset:
+    """The layers (decoder and MTP) the recompute sections fully recompute."""
+    if recompute is None and recompute_comm is None:
+        return frozenset()
+    import warnings
+
+    from lit_moe.strategies.recompute import validate_recompute
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return frozenset(validate_recompute(recompute, recompute_comm, model_config.total_layers).full_layers)
+
+
+def _ranges(layers: frozenset) -> str:
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(i)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)

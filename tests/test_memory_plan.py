@@ -1,0 +1,117 @@
+"""``lit_moe plan``'s per-rank peak (issue 26 item 2): device sizes, the fits line against hand-made
+numbers, the peak table's parts against the pieces they are made of, and the CLI's ``--device-memory``."""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_moe.strategies.memory_plan import GiB, RankPeak, fits_line, parse_device_memory
+from lit_moe.strategies.plan import main, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * 2 ** 30), ("141 GiB", 141 * 2 ** 30), ("80GB", 80 * 10 ** 9), ("0.5TiB", 2 ** 39),
+    ("H100", 80 * 2 ** 30), ("h200", 141 * 2 ** 30), ("910B", 64 * 2 ** 30), ("A100", 80 * 2 ** 30),
+    ("1048576", 2 ** 20),
+])
+def test_device_memory_sizes_and_names(text, expected):
+    assert parse_device_memory(text)[0] == expected
+
+
+@pytest.mark.parametrize("text", ["eighty", "80 parsecs", "0GiB", "B200x"])
+def test_bad_device_memory_is_one_line(text):
+    with pytest.raises(ValueError, match="--device-memory"):
+        parse_device_memory(text)
+
+
+def test_fits_line_names_the_first_change_that_fits():
+    g = GiB
+    need = RankPeak("pipeline rank 1", 10 * g, 10 * g, 20 * g, 60 * g, 0)          # 100 GiB
+    bf16 = RankPeak("pipeline rank 1", 10 * g, 10 * g, 10 * g, 60 * g, 0)          # 90 GiB
+    full = RankPeak("pipeline rank 0", 10 * g, 10 * g, 20 * g, 5 * g, 0)           # 45 GiB
+    assert fits_line(need, 100 * g, "H100", []).startswith("device memory H100: fits (100.0 GiB <= 100.0 GiB")
+    line = fits_line(need, 80 * g, "80.0 GiB", [("bf16 moments", bf16), ("full recompute", full)])
+    assert line == ("device memory 80.0 GiB: does not fit (100.0 GiB > 80.0 GiB, pipeline rank 1); "
+                    "would fit with: full recompute (45.0 GiB, pipeline rank 0)")
+    line = fits_line(need, 40 * g, "40.0 GiB", [("bf16 moments", bf16), ("full recompute", full)])
+    assert "would fit with: more ranks" in line and "full recompute 45.0 GiB" in line
+
+
+def _seed_cfg(**parallelism) -> dict:
+    cfg = yaml.safe_load((ROOT / "configs" / "pynative.yaml").read_text())
+    cfg["model"].update(num_hidden_layers=4, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        moe_shared_expert_intermediate_size=128, q_lora_rank=64, kv_lora_rank=32,
+                        vocab_size=1024, num_nextn_predict_layers=1)
+    cfg["training"].update(global_batch_size=8, local_batch_size=1)
+    cfg["parallelism"].update(parallelism)
+    cfg["recompute"] = {"mode": "full", "full_recompute_layer": [0]}
+    return cfg
+
+
+def _plan(tmp_path, cfg, world, device_memory=None):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = io.StringIO()
+    return plan(str(path), world, out=out, device_memory=device_memory), out.getvalue()
+
+
+def test_peak_table_is_the_sum_of_its_parts_with_pipelines(tmp_path):
+    """PP2 · 1f1b on 4 ranks: each pipeline rank's row is its own stages' state (not the whole model's),
+    the activations of the schedule's plan plus the recomputed layer rematerialised; the headline is the
+    largest row; the MTP layer is counted."""
+    from lit_moe.model import sizing
+    from lit_moe.strategies.activation_memory import layer_activation_bytes
+
+    cfg = _seed_cfg(pipeline_parallel=2, tensor_parallel=1)
+    result, text = _plan(tmp_path, cfg, 4, "300MiB")
+    mem, peaks = result["memory"], result["peaks"]
+    assert [r.name for r in peaks] == ["pipeline rank 0", "pipeline rank 1"]
+    for row, part in zip(peaks, mem["pipeline_ranks"]):
+        assert (row.params, row.optimizer) == (part["params"], part["optimizer"])
+    assert max(r.params for r in peaks) < 0.7 * mem["params"]     # a pipeline rank holds its stages only
+    seq = 4096
+    model_config = _model_config(cfg)
+    extra = (layer_activation_bytes(model_config, 0, seq, 1, seq, weight_copies=False, heads=4)
+             - layer_activation_bytes(model_config, 0, seq, 1, seq, recompute=True, weight_copies=False, heads=4))
+    for row, act in zip(peaks, mem["activations_by_rank"]):
+        assert row.activations == act + extra
+    top = max(peaks, key=lambda r: r.total)
+    assert f"most loaded: {top.name}, {top.total / GiB:.2f} GiB" in text
+    assert result["total_with_mtp"] == result["total"] + sizing.param_counts(model_config).mtp
+    assert "does not fit" in result["fits"] and "would fit with:" in result["fits"]
+
+
+def _model_config(cfg):
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.model.mindformers_defaults import read_pynative_model_section
+
+    return DeepseekV3Config(**read_pynative_model_section(cfg["model"]))
+
+
+def test_bf16_moments_halve_the_planned_optimizer_state(tmp_path):
+    cfg = _seed_cfg(tensor_parallel=2)
+    fp32, _ = _plan(tmp_path, cfg, 2)
+    cfg = copy.deepcopy(cfg)
+    cfg["optimizer"].update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    bf16, text = _plan(tmp_path, cfg, 2)
+    assert bf16["memory"]["optimizer"] * 2 == fp32["memory"]["optimizer"] == 8 * fp32["memory"]["params_numel"]
+    assert "optimizer state (AdamW, bf16 moments)" in text
+    assert fp32["bf16_moments"][0].total == bf16["peaks"][0].total
+
+
+def test_device_memory_through_the_cli(tmp_path, capsys):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(_seed_cfg(tensor_parallel=2), sort_keys=False))
+    assert main(["--config", str(path), "-n", "2", "--device-memory", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "device memory H200, 141 GiB: fits" in out
+    assert main(["--config", str(path), "-n", "2", "--device-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device-memory" in err and "lots" in err
