@@ -152,8 +152,9 @@ EPOCH_SAMPLES = 10
 
 
 def _ramp_config(run_dir, rec, **training) -> dict:
-    cfg = tiny_config(run_dir, steps=STEPS)
+    cfg = tiny_config(run_dir, steps=STEPS, mock_data=False)    # the shipped corpus: 11 samples, epochs of 10
     cfg["train_dataset"]["dataloader"]["sizes"] = [EPOCH_SAMPLES, 0, 0]
+    cfg["model"]["vocab_size"] = 4096   # the corpus' tokenizer
     cfg["model"]["compute_dtype"] = "float32"
     cfg["training"].update(deterministic=True, local_batch_size=2, global_batch_size=8, rampup_batch_size=RAMP,
                            **training)
