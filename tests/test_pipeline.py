@@ -418,6 +418,7 @@ def _rel_each(a, b) -> float:
     return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max())
 
 
+@pytest.mark.timeout(1500)   # the first one waits for every launch (worlds 2, 4 and 8) and the references
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name, runs, references):
     spec = LAYOUTS[name]
