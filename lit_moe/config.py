@@ -332,7 +332,9 @@ class TensorBoardConfig:
     step's numbers stay on the device and only log steps wait for them, so a smaller interval costs
     speed on an accelerator. Also the interval of the skip guard's warnings and of the MoE scalars."""
     queue_size: int = 1000
-    """Writer queue size."""
+    """Events the TensorBoard writer holds before writing them out (``SummaryWriter(max_queue=...)``, as
+    MindFormers' monitor passes it). A larger queue writes less often; a crash loses at most the
+    queued events."""
 
 
 @dataclass
@@ -534,6 +536,41 @@ def no_effect_notes(sections: dict[str, Any], top: Any = None) -> list[str]:
             lines.append(f"{key}: {value!r} has no effect in lit_moe: {why}")
     return lines
 
+
+
+def loss_and_embedding_keys_without_effect() -> dict[str, str]:
+    """MindFormers' newest ``model`` keys of the loss and the embedding that lit_moe accepts without
+    effect (issue 31), with why; each prints one line when a section sets it
+    (:func:`note_loss_and_embedding_key`)."""
+    return {
+        "model.chunk_loss_num":
+            "MindFormers splits the cross-entropy over the sequence into that many chunks to hold fewer "
+            "fp32 [tokens, vocab] buffers (same loss and gradients); lit_moe's output-layer loss is computed "
+            "in cache-sized row blocks already (lit_moe/ops/cross_entropy.py: one [tokens, vocab] table in "
+            "the compute dtype, no fp32 tables), so no chunk count lowers its peak further",
+        "model.embedding_params_dtype":
+            "MindFormers' storage dtype of the word-embedding table, float32 by default so that its gradient "
+            "accumulates in fp32; lit_moe stores every parameter in params_dtype (float32, the optimizer's "
+            "master weights), the embedding included, so float32 is what it does (its gradient is summed in "
+            "fp32 on one process and in compute_dtype under FSDP); other values are refused",
+    }
+
+
+def note_loss_and_embedding_key(key: str, value: Any) -> None:
+    """Check a value of :func:`loss_and_embedding_keys_without_effect`'s keys and say, in one line,
+    that it has no effect."""
+    import logging
+
+    if key == "chunk_loss_num" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"model.chunk_loss_num: must be an integer >= 0, got {value!r}")
+    if key == "embedding_params_dtype" and str(value).replace("torch.", "") not in ("float32", "fp32"):
+        raise ConfigError(f"model.embedding_params_dtype: only float32 (MindFormers' default): parameters "
+                          f"are stored in params_dtype float32 here, got {value!r}")
+    logging.getLogger("lit_moe.config").info("model.%s: %r has no effect in lit_moe (%s)", key, value,
+                                             loss_and_embedding_keys_without_effect()[f"model.{key}"])
+
+
+NO_EFFECT_KEYS.update(loss_and_embedding_keys_without_effect())
 
 def suggest(name: str, candidates: Any) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``candidates``, or an empty string."""

@@ -274,3 +274,67 @@ def test_fit_with_muon_and_qk_clip(tmp_path, capsys, caplog):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("lit_moe: error: optimizer.qk_clip_enabled: QK-clip does not run with "
                                                "tensor_parallel 2 yet"), err
+
+
+def _dp_worker(rank, port, out_path):
+    """One data-parallel rank: its own half of the batch; the maxima are reduced (MAX) over the ranks
+    before clipping, and a Shard(0) DTensor weight is scaled shard by shard."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lit_moe.qk_clip import _scale_rows
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(CFG).train()
+        qk = QKClip(model, threshold=18.0)
+        with torch.no_grad():
+            model(DP_BATCH[rank:rank + 1])
+        maxima = qk.max_logits()
+        qk.apply()
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        w = torch.arange(24.0).view(6, 4)
+        dw = distribute_tensor(w, mesh, [Shard(0)])
+        _scale_rows(dw, torch.arange(1.0, 7.0))
+        full = dw.full_tensor()
+        if rank == 0:
+            torch.save({"maxima": maxima, "state": model.state_dict(), "dtensor": full}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+DP_BATCH = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def test_data_parallel_ranks_clip_with_the_global_maxima(tmp_path):
+    """Two gloo processes, one sample each, against one process with both samples: the same maxima
+    and the same clipped weights (bit-equal: the scales come from the same numbers)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_dp_worker, args=(port, str(out)), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(CFG).train()
+    qk = QKClip(model, threshold=18.0)
+    with torch.no_grad():
+        model(DP_BATCH)
+    maxima = qk.max_logits()
+    assert bool((maxima >= 18.0).any()) and bool((maxima < 18.0).any())
+    qk.apply()
+    # one sample per rank: the per-sample maxima differ; measured 0 (fp32, same kernels per sample)
+    torch.testing.assert_close(got["maxima"], maxima, rtol=1e-6, atol=0)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(got["state"][name], t, rtol=1e-6, atol=0, msg=name)
+    assert torch.equal(got["dtensor"], torch.arange(24.0).view(6, 4) * torch.arange(1.0, 7.0)[:, None])

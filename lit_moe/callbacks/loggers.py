@@ -39,8 +39,11 @@ def build_logger(monitor: Any) -> Optional[Any]:
     tb = monitor.tensorboard   # (log_interval is checked by build_callbacks, which uses it)
     if not tb.output_dir:
         return None
+    from lit_moe.callbacks._common import check_log_interval
+
+    queue = check_log_interval(tb.queue_size, "monitor.tensorboard.queue_size")   # an int >= 1, as MindFormers'
     return _tensorboard_logger_class()(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME,
-                                       default_hp_metric=False, max_queue=tb.queue_size)
+                                       default_hp_metric=False, max_queue=queue)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Union
 
 import torch
 
-from lit_moe.config import GRAPH_MODEL_BLOCK, NO_EFFECT_KEYS, ConfigError, suggest
+from lit_moe.config import (GRAPH_MODEL_BLOCK, NO_EFFECT_KEYS, ConfigError, loss_and_embedding_keys_without_effect,
+                            note_loss_and_embedding_key, suggest)
 from lit_moe.ops.activation import SUPPORTED_ACTIVATIONS, SUPPORTED_GELU_APPROXIMATE
 from lit_moe.model.families import ARCHITECTURES
 from lit_moe.ops.norm import SUPPORTED_NORMS
@@ -80,6 +81,8 @@ def resolve_keys(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, tup
         name = ALIASES.get(key, key)
         if name not in field_names:
             if key in IGNORED_KEYS:
+                if f"model.{key}" in loss_and_embedding_keys_without_effect():
+                    note_loss_and_embedding_key(key, value)
                 continue
             if key == "model_config":
                 raise ConfigError(GRAPH_MODEL_BLOCK)
