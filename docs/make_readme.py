@@ -33,7 +33,7 @@ SECTIONS = [
 ]
 
 # Topic pages, in README order.
-TOPICS = ["optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "evaluation.md", "lora.md",
+TOPICS = ["families.md", "optim.md", "data.md", "parallelism.md", "recompute.md", "checkpoint.md", "evaluation.md", "lora.md",
           "callbacks.md"]
 
 

@@ -478,7 +478,8 @@ NO_EFFECT_KEYS: dict[str, str] = {
         "Hugging Face's name of the routing method; routing is defined by n_group, topk_group, "
         "scoring_func and moe_router_enable_expert_bias",
     "model.num_key_value_heads":
-        "MLA has no key/value head groups (Hugging Face's DeepSeek-V3 configs carry 128 whatever the head "
+        "with multi-latent attention only (grouped-query attention uses it): MLA has no key/value head groups "
+        "(Hugging Face's DeepSeek-V3 configs carry 128 whatever the head "
         "count; MindFormers passes it on as num_query_groups, unused by MLA)",
     "model.use_attn_mask_compression":
         "selects the compressed causal mask of Ascend's flash-attention kernel (sparse_mode 2: one 2048x2048 "

@@ -121,3 +121,51 @@ def test_export_refuses_what_transformers_cannot_hold():
     with pytest.raises(ConfigError, match=r"config\.json: mlp_only_layers=\[1\] is not supported"):
         from lit_moe.model.hf import config_from_hf
         config_from_hf({**hf_config_dict(DeepseekV3Config(**QWEN3)), "lit_moe": None, "mlp_only_layers": [1]})
+
+
+# ----------------------------------------------------------------------------------------------
+# recompute, checkpoints: the same machinery addresses the grouped-query attention's modules
+# ----------------------------------------------------------------------------------------------
+GQA_TINY = dict(model_type="glm4_moe", architectures="Glm4MoeForCausalLM", multi_latent_attention=False,
+                position_embedding_type="rope", num_key_value_heads=2, attention_bias=True, qk_layernorm=True)
+
+
+@pytest.mark.filterwarnings("error::lit_moe.strategies.recompute.RecomputeWarning")   # every pattern selects
+def test_recompute_addresses_gqa_modules_in_every_spelling():
+    import copy
+
+    from test_recompute_model import assert_identical, batch, build, step
+    from lit_moe.strategies.recompute import apply_recompute
+
+    base = build(**GQA_TINY)
+    assert base.config.num_nextn_predict_layers == 1   # the MTP layer's attention is GQA too
+    data = batch(base.config.vocab_size)
+    model = copy.deepcopy(base)
+    # lit_moe's names, MindFormers' (linear_qkv holds q/k/v, q_layernorm is q_norm) and Hugging Face's
+    apply_recompute(model, {"mode": "select", "select_module": {
+        r"self_attention\.(q_norm|k_proj)": ["0-3"], r"self_attention\.linear_qkv": [1],
+        r"self_attn\.k_norm": [2], "self_attention.core_attention": ["0-3"]}}, None)
+    assert "forward" in vars(model.layers[1].self_attention.v_proj)   # linear_qkv = q_proj, k_proj, v_proj
+    assert "forward" in vars(model.mtp[0].layer.self_attention.q_norm)
+    assert_identical(step(base, data), step(model, data))
+
+
+@pytest.mark.timeout(900)
+def test_save_and_resume_gqa_family_through_the_cli(tmp_path):
+    """A GLM-4-MoE model (GQA with q/k/v biases, q/k norms, expert bias, an MTP layer): 4 steps straight
+    equal 2 steps, a distributed checkpoint, and 2 resumed steps."""
+    from test_checkpoint_e2e import _config, _fit, _probe
+
+    straight_probe, first_probe, second_probe = (tmp_path / f"{n}.jsonl" for n in ("straight", "first", "second"))
+    save = tmp_path / "ckpt"
+    _fit(tmp_path, _config(tmp_path, "straight.yaml", straight_probe, 4, {}, **GQA_TINY))
+    _fit(tmp_path, _config(tmp_path, "first.yaml", first_probe, 4, {"enable_save": True, "save_path": str(save),
+                                                                     "save_interleaved_steps": 100}, **GQA_TINY),
+         "--trainer.max_steps", "2")
+    _fit(tmp_path, _config(tmp_path, "second.yaml", second_probe, 4, {"enable_save": True, "save_path": str(save),
+                                                                       "load_path": str(save)}, **GQA_TINY))
+    straight, resumed = _probe(straight_probe), {**_probe(first_probe), **_probe(second_probe)}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for s in range(1, 5):
+        assert straight[s]["loss"] == resumed[s]["loss"], (s, straight[s]["loss"], resumed[s]["loss"])
+    assert len({straight[s]["loss"] for s in straight}) == 4
