@@ -573,6 +573,7 @@ def note_loss_and_embedding_key(key: str, value: Any) -> None:
 
 NO_EFFECT_KEYS.update(loss_and_embedding_keys_without_effect())
 
+
 def suggest(name: str, candidates: Any) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``candidates``, or an empty string."""
     import difflib
