@@ -50,6 +50,12 @@ def note_collected(module_names) -> None:
     _collected.update(name for name in module_names if name in WORKERS)
 
 
+def launch_seconds() -> float:
+    """Quiet-machine seconds of every launch the collected files share: the test that starts them
+    waits for all (conftest raises its timeout to this)."""
+    return sum(seconds * len(worlds) for name, (worlds, seconds, _) in WORKERS.items() if name in _collected)
+
+
 def job_names(module, world: int) -> list[str]:
     """The layouts of ``module`` at ``world`` (``EXTRA`` adds non-layout checks, as in
     test_parallel_numerics)."""
