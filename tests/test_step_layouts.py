@@ -6,8 +6,7 @@ drives the module's own step: accumulation across ranks (``1/A``), ``set_gradien
 ``gradient_sync_every_microbatch: false``, the strategy's global norm and clipping, the module's loss,
 token-count and expert-count reductions, AdamW with its parameter groups and the LR schedule, expert
 biases, and a step skipped by a ``StepGuard`` under FSDP. One ``torch.distributed.run`` launch per world
-size runs every layout of that size (each its own Trainer and meshes), shared with the other layout
-files (tests/layout_pool.py).
+size runs every layout of that size (each its own Trainer and meshes).
 
 The single-process reference sees the global batch of each step as one micro-batch; every sample has
 the same number of loss tokens, so the mean over micro-batches and ranks is the mean over the batch.
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 STEPS = 3
 GLOBAL = 8
@@ -215,13 +216,22 @@ def worker_main(names: list[str], out_dir: str) -> None:
         dist.barrier()
 
 
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
 @pytest.fixture(scope="module")
 def layout_results(tmp_path_factory):
-    """Each world size's layouts, from that size's shared launch (tests/layout_pool.py)."""
-    import layout_pool
-
-    dirs = [layout_pool.results(__name__, world, tmp_path_factory.getbasetemp()) for world in (2, 4)]
-    return {p.stem: json.loads(p.read_text()) for d in dirs for p in d.glob("*.json")}
+    out = tmp_path_factory.mktemp("step_layouts")
+    for world in (2, 4):
+        launch(world, [n for n, s in LAYOUTS.items() if s["world"] == world], out)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +300,8 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         assert half in state["functions"], state
         assert state["failed"] == 0 and state["graph_breaks"] == 0, state
         assert got[0]["compiled"]["graphs"] == state["graphs"] > 0     # compiled at step 1, no recompiles
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])
