@@ -38,12 +38,15 @@ MODEL = dict(hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
              v_head_dim=32, vocab_size=4096, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
              num_nextn_predict_layers=1, seq_length=1024, compute_dtype="float32", params_dtype="float32")
 
-# name: (ranks, parallelism, recompute, local batch size)
+BF16_MOMENTS = {"exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16"}
+# name: (ranks, parallelism, recompute, local batch size, optimizer keys)
 LAYOUTS = {
-    "one_process": (1, {}, {"mode": None}, 2),
-    "one_process_full_recompute": (1, {}, {"mode": "full", "full_recompute_layer": [0, 1, 2, 3]}, 2),
-    "dp2_fsdp": (2, {}, {"mode": None}, 2),
-    "pp2_1f1b": (2, {"pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": ["0-1", "2-2"]}, {"mode": None}, 1),
+    "one_process": (1, {}, {"mode": None}, 2, {}),
+    "one_process_bf16_moments": (1, {}, {"mode": None}, 2, BF16_MOMENTS),
+    "one_process_full_recompute": (1, {}, {"mode": "full", "full_recompute_layer": [0, 1, 2, 3]}, 2, {}),
+    "dp2_fsdp": (2, {}, {"mode": None}, 2, {}),
+    "pp2_1f1b": (2, {"pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": ["0-1", "2-2"]}, {"mode": None},
+                 1, {}),
 }
 
 
@@ -77,7 +80,7 @@ class PeakRSSCallback(Callback):
 
 
 def write_config(tmp: Path, layout: str) -> tuple[Path, int]:
-    ranks, parallelism, recompute, lbs = LAYOUTS[layout]
+    ranks, parallelism, recompute, lbs, optimizer = LAYOUTS[layout]
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg["model"].update(MODEL)
     cfg["training"].update(steps=2, local_batch_size=lbs, global_batch_size=lbs * 2 * ranks
@@ -86,6 +89,7 @@ def write_config(tmp: Path, layout: str) -> tuple[Path, int]:
     cfg["monitor"] = {}
     cfg["parallelism"].update(parallelism)
     cfg["recompute"] = recompute
+    cfg["optimizer"].update(optimizer)
     dl = cfg["train_dataset"]["dataloader"]
     dl["config"].update(seq_length=MODEL["seq_length"], mock=True)
     dl["config"].pop("data_path", None)

@@ -7,7 +7,9 @@ backward at the schedule's peak (:mod:`lit_moe.strategies.activation_memory`; wi
 micro-batch of the whole model, since each micro-batch's backward frees them before the next forward),
 and FSDP's transient buffers: the compute-dtype copies of two decoder layers gathered at once (the
 current one and the prefetched next) and the fp32 unsharded gradients of one layer before their
-reduce-scatter. The headline is the most loaded rank.
+reduce-scatter. The headline is the most loaded rank. On the CPU's math attention path (what
+``benchmarks/plan_memory.py`` measures) one layer's fp32 ``S x S`` scores and their gradient are held
+next to the saved probabilities for a moment; the fused kernels of GPUs and NPUs have no such term.
 
 Recompute: ``recompute.mode: full`` layers keep only their input; ``mode: select`` modules are not
 modelled (their saved tensors are counted as kept, an over-estimate). The plan also gives every rank's
@@ -97,17 +99,21 @@ def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumula
     seq = seq_length // dims.cp
     kwargs = dict(heads=model_config.num_attention_heads // dims.tp, core_attention=core_attention,
                   weight_copies=False if dims.world_size // dims.pp > 1 else None)
-    rematerialised = recomputed_layer_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
+    transient = recomputed_layer_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
                                             recompute_layers, **kwargs)
+    if core_attention == "math":
+        # torch's math path holds one layer's fp32 S x S scores next to its probabilities in the forward,
+        # and their gradient next to them in the backward: a transient the fused kernels do not have
+        transient += 2 * local_batch_size * kwargs["heads"] * seq * seq * 4
     if dims.pp == 1:
-        return [rematerialised + model_activation_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
+        return [transient + model_activation_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
                                                         recompute_layers=recompute_layers, **kwargs)]
     from lit_moe.strategies.pipeline import PipelineLayout
 
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq,
                                     recompute_layers=recompute_layers, **kwargs)
-    return [rematerialised + row["bytes"] for row in rows]
+    return [transient + row["bytes"] for row in rows]
 
 
 def recomputed_layer_bytes(model_config: Any, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
