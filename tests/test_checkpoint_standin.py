@@ -412,7 +412,7 @@ def test_save_max_prunes_only_this_run(tmp_path):
     assert tracker(save) == "7"
     assert sorted(p.name for p in (save / "iteration_00000007").iterdir()) == [
         "ckpt-model-0000000-0000001.safetensors", "ckpt-opt-0000000-0000001.safetensors",
-        "ckpt-rng-0000000-0000001.json", "common.json"]
+        "ckpt-rng-0000000-0000001.json", "common.json", "index.json"]
     common = json.loads((save / "iteration_00000007" / "common.json").read_text())
     assert common["iteration"] == 7 and common["world_size"] == 1 and common["has_optimizer"]
 

@@ -54,7 +54,7 @@ def test_safejson_refuses_objects_but_keeps_hparams_readable():
 
 
 def _write(path: Path, writer: int, pieces: dict[str, Piece]) -> tuple:
-    size, crc = write_pieces(path, pieces)
+    size, crc, _ = write_pieces(path, pieces)
     return path, (writer, size, crc)
 
 

@@ -167,13 +167,14 @@ def test_clear_errors(tmp_path):
     cfg_path = tmp_path / "config.json"
     cfg = json.loads(cfg_path.read_text())
 
-    cfg_path.write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}))
-    with pytest.raises(HFCheckpointError, match=r"quant_method='fp8'.*dequantize"):
-        DeepseekV3ForCausalLM.from_pretrained(tmp_path)
+    for quant in ({"quant_method": "gptq", "bits": 4}, {"quant_method": "fp8", "weight_block_size": [128]}):
+        cfg_path.write_text(json.dumps({**cfg, "quantization_config": quant}))
+        with pytest.raises(HFCheckpointError, match=rf"quant_method={quant['quant_method']!r}.*dequantize"):
+            DeepseekV3ForCausalLM.from_pretrained(tmp_path)
     cfg_path.write_text(json.dumps(cfg))
 
     _edit(tmp_path, lambda t: t.update({"model.layers.1.self_attn.o_proj.weight_scale_inv": torch.ones(1)}))
-    with pytest.raises(HFCheckpointError, match=r"FP8.*weight_scale_inv"):
+    with pytest.raises(HFCheckpointError, match=r"o_proj.weight_scale_inv has shape \[1\], expected \[1, 1\]"):
         DeepseekV3ForCausalLM.from_pretrained(tmp_path)
     _edit(tmp_path, lambda t: t.pop("model.layers.1.self_attn.o_proj.weight_scale_inv"))
 

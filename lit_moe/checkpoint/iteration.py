@@ -35,6 +35,8 @@ from lit_moe.checkpoint.layout import (
     COMMON,
     FORMAT,
     FORMAT_VERSION,
+    INDEX,
+    INDEX_FORMAT,
     CheckpointError,
     atomic_write_text,
     fsync_dir,
@@ -56,6 +58,7 @@ from lit_moe.checkpoint.sharded import (
     reader_coordinates,
     write_pieces,
 )
+from lit_moe.checkpoint import sharded
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,13 +192,13 @@ def write_and_commit(comm: Comm, job: SaveJob) -> Path:
     error = None
     try:
         name = shard_name("model", rank, world, job.prefix)
-        digests[name] = {"kind": "model", "rank": rank, **_digest(write_pieces(tmp / name, job.model))}
+        digests[name] = {"kind": "model", "rank": rank, **_digest(*write_pieces(tmp / name, job.model))}
         if job.optim is not None:
             name = shard_name("opt", rank, world, job.prefix)
             extra = {"nontensor_state": safejson.encode(job.optim_extra)}
-            digests[name] = {"kind": "opt", "rank": rank, **_digest(write_pieces(tmp / name, job.optim, extra))}
+            digests[name] = {"kind": "opt", "rank": rank, **_digest(*write_pieces(tmp / name, job.optim, extra))}
         name = shard_name("rng", rank, world, job.prefix, ext="json")
-        digests[name] = {"kind": "rng", "rank": rank, **_digest(write_bytes_durable(tmp / name, job.rng_json.encode()))}
+        digests[name] = {"kind": "rng", "rank": rank, **_digest(*write_bytes_durable(tmp / name, job.rng_json.encode()))}
     except Exception as err:  # report to rank 0 instead of leaving the others hanging in gather
         error = f"rank {rank}: {type(err).__name__}: {err}"
     # The ranks that finished wait for the slowest writer for a time sized from the checkpoint, not
@@ -225,12 +228,22 @@ def write_and_commit(comm: Comm, job: SaveJob) -> Path:
     return final
 
 
-def _digest(size_crc: tuple[int, int]) -> dict[str, int]:
-    return {"size": size_crc[0], "crc32": size_crc[1]}
+def _digest(size: int, crc: int, layout: Optional[dict] = None) -> dict[str, Any]:
+    return {"size": size, "crc32": crc, **({"layout": layout} if layout is not None else {})}
+
+
+def write_index(tmp: Path, files: dict) -> dict:
+    """Move the byte layouts out of the file digests into ``index.json`` (one file any rank reads to
+    find the bytes it needs); returns the index's own digest, listed in ``common.json``."""
+    layouts = {name: info.pop("layout") for name, info in files.items() if "layout" in info}
+    body = {"format": INDEX_FORMAT, "version": 1, "chunk_bytes": sharded.CHUNK_BYTES, "files": layouts}
+    size, crc = write_bytes_durable(tmp / INDEX, json.dumps(body, separators=(",", ":")).encode())
+    return {"kind": "index", "rank": 0, "size": size, "crc32": crc}
 
 
 def _commit(job: SaveJob, tmp: Path, final: Path, files: dict) -> None:
     common = dict(job.common or {})
+    files[INDEX] = write_index(tmp, files)
     common["files"] = files
     atomic_write_text(tmp / COMMON, dump_common(common))
     fsync_dir(tmp)
@@ -316,6 +329,11 @@ class IterationReader:
                                       f"{self.path}")
             if not isinstance(info, dict) or not {"kind", "rank", "size", "crc32"} <= set(info):
                 raise CheckpointError(f"checkpoint file corrupted: {common_path} has no size/CRC-32 entry for {name}")
+        self.indexed = INDEX in self.files   # older checkpoints have no index.json
+        self._layouts: Optional[tuple[int, dict]] = None
+        if self.indexed:
+            return   # files are checked when opened: a rank touches only those it reads
+        for name, info in self.files.items():
             p = self.path / name
             if not p.is_file():
                 raise CheckpointError(f"checkpoint file missing: {p}")
@@ -339,7 +357,45 @@ class IterationReader:
         return {self.path / n: (i["rank"], i["size"], i["crc32"]) for n, i in self.files.items() if i["kind"] == kind}
 
     def index(self, kind: str) -> ShardIndex:
-        return ShardIndex(self._files(kind), workers=self.workers)
+        if not self.indexed:
+            return ShardIndex(self._files(kind), workers=self.workers)
+        chunk, layouts = self.layouts()
+        files = self._files(kind)
+        try:
+            mine = {p: layouts[p.name] for p in files}
+        except KeyError as err:
+            raise CheckpointError(f"checkpoint file corrupted: {self.path / INDEX} has no entry for {err.args[0]}") from None
+        return ShardIndex.from_index(files, mine, chunk_bytes=chunk, workers=self.workers)
+
+    def layouts(self) -> tuple[int, dict]:
+        """(chunk bytes, file name → byte layout) from ``index.json``, read once and checked whole."""
+        if self._layouts is None:
+            path = self.path / INDEX
+            data = self._read_listed(INDEX)
+            try:
+                body = json.loads(data)
+                if body.get("format") != INDEX_FORMAT:
+                    raise ValueError(f"no format {INDEX_FORMAT!r}")
+                self._layouts = (int(body["chunk_bytes"]), body["files"])
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(f"checkpoint file corrupted: {path} ({type(err).__name__}: {err})") from None
+        return self._layouts
+
+    def _read_listed(self, name: str) -> bytes:
+        """A small file listed in ``common.json``, read whole and checked against its size and CRC-32."""
+        path, info = self.path / name, self.files[name]
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file missing: {path}") from None
+        except OSError as err:
+            raise CheckpointError(f"checkpoint file unreadable: {path} ({err.strerror})") from None
+        if len(data) != info["size"]:
+            raise CheckpointError(f"checkpoint file truncated or corrupted: {path} has {len(data)} bytes, "
+                                  f"expected {info['size']}")
+        if zlib.crc32(data) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file corrupted: {path} fails its CRC-32 check")
+        return data
 
     def trainer_state(self) -> dict:
         return safejson.decode(self.common.get("trainer_state", {}))
@@ -354,9 +410,7 @@ class IterationReader:
         for name, info in self.files.items():
             if info["kind"] == "rng" and info["rank"] == rank:
                 path = self.path / name
-                data = path.read_bytes()
-                if zlib.crc32(data) != info["crc32"]:
-                    raise CheckpointError(f"checkpoint file corrupted: {path} fails its CRC-32 check")
+                data = self._read_listed(name)
                 try:
                     return safejson.loads(data.decode())
                 except ValueError as err:

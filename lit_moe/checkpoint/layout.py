@@ -6,6 +6,7 @@
       latest_checkpointed_iteration.txt          the step of the newest complete checkpoint
       iteration_00000100/
         common.json                              step, data position, Lightning state, file digests
+        index.json                               where every piece's bytes lie, CRC-32 per chunk
         {prefix}-model-{rank:07d}-{world:07d}.safetensors
         {prefix}-opt-{rank:07d}-{world:07d}.safetensors      (absent with no_save_optim)
         {prefix}-rng-{rank:07d}-{world:07d}.json
@@ -29,6 +30,8 @@ from lit_moe.config import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
+INDEX = "index.json"
+INDEX_FORMAT = "lit_moe-index"
 FORMAT = "lit_moe-checkpoint"
 FORMAT_VERSION = 1
 ITERATION_RE = re.compile(r"^iteration_(\d{8,})$")

@@ -17,8 +17,9 @@ On-disk names are the real DeepSeek-V3 ones, which ``transformers.DeepseekV3ForC
 MTP layers also get copies of the shared embedding and head (``model.layers.{L+k}.embed_tokens`` and
 ``.shared_head.head``), as in the DeepSeek release; they are ignored when loading. Reading also
 accepts transformers' merged expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]``,
-``mlp.experts.down_proj [E, H, I]``). FP8 checkpoints (the original DeepSeek-V3 release) are refused
-with a clear error: dequantise them to bf16 first.
+``mlp.experts.down_proj [E, H, I]``). FP8 block-quantized checkpoints (the original DeepSeek-V3
+release: ``weight`` in ``float8_e4m3fn`` with a ``weight_scale_inv`` per 128×128 block) load
+dequantized (:mod:`lit_moe.model.safetensors_io`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ import torch
 from lit_moe.model import hf_families
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.names import canonical_name, spelled
+from lit_moe.model.safetensors_io import (CONFIG_FILE, FP8_DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsError,
+                                          WeightDirectory)
 
 log = logging.getLogger(__name__)
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 
 
 class HFCheckpointError(ValueError):
@@ -144,10 +143,11 @@ def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
     """Our config from a ``config.json`` dict (ours: its ``lit_moe`` block; otherwise the HF keys)."""
     quant = hf.get("quantization_config") or {}
-    if quant:
+    if quant and not is_block_fp8(quant):
         raise HFCheckpointError(
-            f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: quantized "
-            f"(e.g. FP8) checkpoints are not supported; dequantize the weights to bf16 first")
+            f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: only DeepSeek's FP8 "
+            "block quantization (quant_method 'fp8' with a 2-D weight_block_size) is read (dequantized); "
+            "dequantize the weights to bf16 first")
     if hf.get("rope_interleave") is False:
         raise HFCheckpointError("config.json: rope_interleave=False is not supported (DeepSeek weights rotate "
                                 "interleaved pairs)")
@@ -162,6 +162,14 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
         base = dict(hf)
     base.update(overrides)
     return DeepseekV3Config(**base)
+
+
+def is_block_fp8(quant: dict[str, Any]) -> bool:
+    """DeepSeek-V3's ``quantization_config``: FP8 weights with one ``weight_scale_inv`` per block
+    (``weight_block_size``, 128×128), loaded dequantized (:mod:`lit_moe.model.safetensors_io`)."""
+    block = quant.get("weight_block_size", [128, 128])
+    return (quant.get("quant_method") == "fp8" and isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,36 +314,21 @@ def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
 # ----------------------------------------------------------------------------------------------
 # load
 # ----------------------------------------------------------------------------------------------
-class _Reader:
-    """Lazy access to the tensors of a safetensors directory (single file or index)."""
+class _Reader(WeightDirectory):
+    """Lazy access to the tensors of a safetensors directory (single file or index); FP8 block-quantized
+    weights come dequantized (their ``weight_scale_inv`` are not listed as keys)."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
+        try:
+            super().__init__(directory)
+        except SafetensorsError as err:
+            raise HFCheckpointError(str(err)) from None
 
-        self._open = safe_open
-        index = directory / INDEX_FILE
-        if index.exists():
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.files = {k: directory / v for k, v in weight_map.items()}
-        elif (directory / SINGLE_FILE).exists():
-            with safe_open(str(directory / SINGLE_FILE), "pt") as f:
-                self.files = {k: directory / SINGLE_FILE for k in f.keys()}
-        else:
-            raise HFCheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
-        for path in set(self.files.values()):
-            if not path.exists():
-                raise HFCheckpointError(f"{path}: listed in {INDEX_FILE} but missing")
-        self._handles: dict[Path, Any] = {}
-
-    def keys(self) -> set[str]:
-        return set(self.files)
-
-    def get(self, key: str) -> torch.Tensor:
-        path = self.files[key]
-        if path not in self._handles:
-            self._handles[path] = self._open(str(path), "pt")
-        return self._handles[path].get_tensor(key)
+    def read(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return super().read(*args, **kwargs)
+        except SafetensorsError as err:
+            raise HFCheckpointError(str(err)) from None
 
 
 def _ignorable(key: str, config: DeepseekV3Config) -> bool:
@@ -364,10 +357,6 @@ def load_pretrained(directory: Union[str, os.PathLike], model_cls: type, device:
         config = config_from_hf(json.load(f), **config_overrides)
     reader = _Reader(directory)
     available = reader.keys()
-    fp8 = [k for k in available if k.endswith(("weight_scale_inv", "weight_scale"))]
-    if fp8:
-        raise HFCheckpointError(f"{directory}: FP8-quantized weights ({fp8[0]} ...) are not supported; "
-                                "dequantize the checkpoint to bf16 first")
 
     with torch.device("meta"):
         model = model_cls(config)
@@ -391,9 +380,9 @@ def load_pretrained(directory: Union[str, os.PathLike], model_cls: type, device:
                     if src is None:
                         missing.append(hf_key)
                         continue
-                if src.dtype in _FP8_DTYPES:
-                    raise HFCheckpointError(f"{hf_key}: {src.dtype} weights are not supported; dequantize the "
-                                            "checkpoint to bf16 first")
+                if src.dtype in FP8_DTYPES:
+                    raise HFCheckpointError(f"{hf_key}: {src.dtype} weights without {hf_key}_scale_inv are not "
+                                            "supported; dequantize the checkpoint to bf16 first")
                 if tuple(src.shape) != tuple(target.shape):
                     raise HFCheckpointError(f"{hf_key}: shape {tuple(src.shape)} in the checkpoint, the model "
                                             f"(config.json) expects {tuple(target.shape)}")
@@ -405,10 +394,6 @@ def load_pretrained(directory: Union[str, os.PathLike], model_cls: type, device:
         raise HFCheckpointError(f"{directory}: {len(unexpected)} unexpected tensor(s), e.g. "
                                 f"{', '.join(unexpected[:5])}")
     return model
-
-
-_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _from_merged(hf_key: str, available: set[str], reader: _Reader, cache: dict[str, torch.Tensor],
