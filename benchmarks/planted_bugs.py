@@ -244,7 +244,7 @@ BUGS: list[Bug] = [
     Bug("left_pad_positions_from_batch_start", "generation", "lit_moe/generate.py",
         "positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)",
         "positions = torch.arange(valid.shape[1], device=device).expand_as(valid)",
-        ("tests/test_predict.py", "-k", "greedy_equals")),
+        ("tests/test_predict.py", "-k", "left_padding")),
     Bug("pad_keys_visible", "generation", "lit_moe/generate.py",
         "return (((q >= k) & valid[:, None, :]) | (q == k))[:, None]",
         "return (q >= k)[None, None].expand(valid.shape[0], 1, -1, -1)",

@@ -21,11 +21,11 @@ LAYERS = [
      "lit_moe.device_speed"],
     ["lit_moe.ops"],
     ["lit_moe.model"],
-    ["lit_moe.data", "lit_moe.optim", "lit_moe.schedules", "lit_moe.lora"],
+    ["lit_moe.data", "lit_moe.optim", "lit_moe.schedules", "lit_moe.lora", "lit_moe.generate"],
     ["lit_moe.checkpoint"],
     ["lit_moe.strategies"],
     ["lit_moe.callbacks", "lit_moe.evaluation"],
-    ["lit_moe.convert_config", "lit_moe.name_keys"],
+    ["lit_moe.convert_config", "lit_moe.name_keys", "lit_moe.predict"],
     ["lit_moe.module"],
     ["lit_moe.cli"],
 ]
