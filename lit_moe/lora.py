@@ -141,10 +141,11 @@ class LoRALinear(Linear):
         w = base.weight
         new = cls(base.in_features, base.out_features, settings, dtype=w.dtype, device=w.device)
         new.weight = w
+        new.bias = base.bias   # GQA's q/k/v biases (None elsewhere)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.to(x.dtype))
+        y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         h = F.linear(self.lora_dropout(x), self.lora_a.to(x.dtype))
         return y + F.linear(h, self.lora_b.to(x.dtype)) * self.scaling
 

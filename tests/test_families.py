@@ -169,3 +169,18 @@ def test_save_and_resume_gqa_family_through_the_cli(tmp_path):
     for s in range(1, 5):
         assert straight[s]["loss"] == resumed[s]["loss"], (s, straight[s]["loss"], resumed[s]["loss"])
     assert len({straight[s]["loss"] for s in straight}) == 4
+
+
+def test_lora_keeps_the_qkv_biases():
+    """LoRA on GLM-4-MoE's biased q/k/v projections: with B = 0 the adapted model is the base model."""
+    from lit_moe.lora import apply_lora, init_adapters
+
+    m = ours_model(GLM4)
+    x = ids()
+    with torch.no_grad():
+        before = m(x).logits
+    apply_lora(m, {"lora_rank": 4, "target_modules": r".*self_attention\.(q|k|v)_proj"})
+    init_adapters(m, 0)   # B = 0
+    assert m.layers[0].self_attention.q_proj.bias is not None
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, before)
