@@ -5,8 +5,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-import layout_pool  # noqa: E402  (tests/ is on sys.path, as for helpers)
-import start_counter  # noqa: E402
+import start_counter  # noqa: E402  (tests/ is on sys.path, as for helpers)
 from helpers import scaled  # noqa: E402
 
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
@@ -55,19 +54,10 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item):
-    """Each test's timeout (its ``timeout`` mark, else the ini's 600 s; for the layout files at least
-    the shared launches' time) is for a quiet machine: it is ``scaled`` by the load when the test
+    """Each test's timeout (its ``timeout`` mark, else the ini's 600 s) is for a quiet machine: it is ``scaled`` by the load when the test
     starts, before pytest-timeout reads it, so a correct test on a busy machine is not killed."""
     marker = item.get_closest_marker("timeout")
     base = marker.args[0] if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
-    if base and getattr(getattr(item, "module", None), "__name__", None) in layout_pool.WORKERS:
-        base = max(base, layout_pool.launch_seconds() + 600)   # it may be the test that starts the shared launches
     if base:
         item.add_marker(pytest.mark.timeout(scaled(base)), append=False)
     yield
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    """The layout files that will run share one launch per world size (tests/layout_pool.py)."""
-    layout_pool.note_collected({item.module.__name__ for item in items if getattr(item, "module", None)})

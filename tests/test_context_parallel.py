@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, model_section  # noqa: E402
+from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, launch, model_section  # noqa: E402
 from helpers import scaled  # noqa: E402
 
 DOC_ENDS = [11, 20, 32]          # documents cross the zig-zag chunk boundaries (chunks of 8 or 4)
@@ -195,11 +195,11 @@ def worker_main(names: list[str], out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Each world size's layouts, from that size's shared launch (tests/layout_pool.py)."""
-    import layout_pool
-
-    dirs = [layout_pool.results(__name__, world, tmp_path_factory.getbasetemp()) for world in (2, 4)]
-    return {p.stem: json.loads(p.read_text()) for d in dirs for p in d.glob("*.json")}
+    out = tmp_path_factory.mktemp("cp_layouts")
+    for world in (2, 4):
+        names = [n for n, spec in LAYOUTS.items() if spec["world"] == world]
+        launch(world, names, out, timeout=900, script=Path(__file__).resolve())
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
 @pytest.fixture(scope="module")
@@ -394,3 +394,8 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_stra
     for step, want in one_val.items():
         assert abs(cp2_val[step] - want) <= 5e-7 * abs(want), (step, cp2_val, one_val)
     assert one[0]["loss"] != one[1]["loss"] and one_val["1"] != one_val["2"]   # it trained between evaluations
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])

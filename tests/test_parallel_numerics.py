@@ -4,9 +4,9 @@ under each parallel layout matches the same training run in one process without 
 measured from the same runs' local shards.
 
 The reference is the plain model in this pytest process (no process group, no FSDP, no DTensor);
-the layouts run in real ``torch.distributed.run`` worker processes with a timeout. Layouts of one
-world size share one launch (each builds its own meshes), with the other layout files' layouts of that
-size (tests/layout_pool.py), to keep the wall time small. The world-2 launch also checks the differentiable collectives and the
+the layouts run as real ``torch.distributed.run`` subprocesses of this file (``--worker``) with a
+timeout. Layouts of one world size share one launch (each builds its own meshes) to keep the wall
+time small. The world-2 launch also checks the differentiable collectives and the
 vocabulary-parallel cross entropy against plain single-tensor math, and the world-4 launch a
 bf16-compute run (fp32 master weights, gradients and optimizer state).
 """
@@ -14,10 +14,14 @@ bf16-compute run (fp32 master weights, gradients and optimizer state).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -340,16 +344,26 @@ def worker_main(names: list[str], out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------------
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, script: Path = Path(__file__)) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(script.resolve()), "--worker", str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
 EXTRA = {2: ["comm"], 4: ["bf16"]}
 
 
 @pytest.fixture(scope="module")
 def layout_results(tmp_path_factory):
-    """The layouts (and ``EXTRA``) of each world size, from that size's shared launch (layout_pool)."""
-    import layout_pool
-
-    dirs = [layout_pool.results(__name__, world, tmp_path_factory.getbasetemp()) for world in (2, 4)]
-    return {p.stem: json.loads(p.read_text()) for d in dirs for p in d.glob("*.json")}
+    out = tmp_path_factory.mktemp("layouts")
+    for world in (2, 4):
+        names = [n for n, spec in LAYOUTS.items() if spec["world"] == world] + EXTRA[world]
+        launch(world, names, out)
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
 @pytest.fixture(scope="module")
@@ -424,3 +438,8 @@ def test_sharded_memory(name, layout_results):
     # AdamW keeps two fp32 moments per local parameter value
     assert mem["optimizer"] == 2 * mem["local"], mem
     assert mem["local"] < mem["total"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])

@@ -4,8 +4,7 @@ global batch and micro-batches; loss, pre-clip global gradient norm, expert bias
 parameters within 1e-5 relative: a stage changes no arithmetic inside its layers).
 
 The reference is the plain model in this pytest process; the layouts run as real
-``torch.distributed.run`` processes, one launch per world size (worlds 2 and 4 shared with the other
-layout files: tests/layout_pool.py; world 8 a launch of this file as ``--worker``).
+``torch.distributed.run`` subprocesses of this file (``--worker``), one launch per world size.
 """
 
 from __future__ import annotations
@@ -388,16 +387,9 @@ def _launch(world: int, out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Worlds 2 and 4 from their shared launches (tests/layout_pool.py), world 8 launched here."""
-    import layout_pool
-
     out = tmp_path_factory.mktemp("pp")
     for world in sorted({s["world"] for s in LAYOUTS.values()}):
-        if world in layout_pool.WORKERS[__name__][0]:
-            for f in layout_pool.results(__name__, world, tmp_path_factory.getbasetemp()).glob("*.pt"):
-                (out / f.name).symlink_to(f)
-        else:
-            _launch(world, out)
+        _launch(world, out)
     return out
 
 
