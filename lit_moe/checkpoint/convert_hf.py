@@ -2,15 +2,23 @@
 
 Exports a trained checkpoint (a ``save_path``, whose tracker is followed, or one iteration
 directory, written by any parallel layout) to the Hugging Face ``save_pretrained`` layout that
-``transformers.DeepseekV3ForCausalLM.from_pretrained`` loads. The model is rebuilt from the
-config's ``model`` section in one process on the CPU; a config that does not match the checkpoint
-fails with the mismatched tensors named. When the config has a ``lora_config``, the checkpoint's
-LoRA adapters are merged into the weights (``W + alpha/r · B A``), so the export is a plain model.
+``transformers.DeepseekV3ForCausalLM.from_pretrained`` loads. The model's tensor shapes come from the
+config's ``model`` section (built on the meta device); a config that does not match the checkpoint
+fails with the mismatched tensors named.
+
+The export streams, one Hugging Face tensor at a time: the region of our tensor it comes from is read
+by byte range from the checkpoint (its index), converted, and appended to a safetensors file whose
+header was written first (every shape and dtype is known in advance). Memory stays at about the
+largest single Hugging Face tensor (an embedding, one expert's matrix), not the model (2.7 TB in fp32
+for DeepSeek-V3). When the config has a ``lora_config``, the checkpoint's LoRA adapters are merged
+into the weights (``W + alpha/r · B A``), so the export is a plain model; that path builds the whole
+model in memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -31,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def trained_model(data: dict, config_path: str, checkpoint: str):
-    """The model of ``data``'s ``model`` section (one process, CPU) with the weights of ``checkpoint`` (a
-    ``save_path`` or an iteration directory written by any layout); LoRA adapters merged."""
+def _config_and_checkpoint(data: dict, config_path: str, checkpoint: str):
+    """(model config of ``data``'s ``model`` section, checkpoint directory), each checked."""
     from lit_moe.checkpoint.layout import CheckpointError
     from lit_moe.config import ConfigError
     from lit_moe.model import DeepseekV3Config
@@ -46,6 +53,13 @@ def trained_model(data: dict, config_path: str, checkpoint: str):
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"--checkpoint: {str(path)!r} does not exist or is not a directory")
+    return config, path
+
+
+def trained_model(data: dict, config_path: str, checkpoint: str):
+    """The model of ``data``'s ``model`` section (one process, CPU) with the weights of ``checkpoint`` (a
+    ``save_path`` or an iteration directory written by any layout); LoRA adapters merged."""
+    config, path = _config_and_checkpoint(data, config_path, checkpoint)
     return model_from_checkpoint(config, data.get("lora_config"), path, f"--config: {config_path!r} has a lora_config")
 
 
@@ -79,20 +93,18 @@ def model_from_checkpoint(config, lora: Optional[dict], path: Path, lora_origin:
     return model
 
 
-def export_atomically(model, output: Path, max_shard_size: str = "5GB", dtype=None) -> None:
-    """``save_pretrained`` into a temporary sibling of ``output``, renamed to ``output`` when complete
+def write_atomically(output: Path, write) -> None:
+    """``write(tmp)`` into a temporary sibling of ``output``, renamed to ``output`` when complete
     (``output``: absent or an empty directory), so a reader never sees a half-written export."""
     import os
     import shutil
     import uuid
 
-    from lit_moe.model.hf import save_pretrained
-
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        save_pretrained(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
+        write(tmp)
         if output.is_dir():
             output.rmdir()   # empty (checked before the run); a file there makes the rename fail
         os.replace(tmp, output)
@@ -100,16 +112,154 @@ def export_atomically(model, output: Path, max_shard_size: str = "5GB", dtype=No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def export_atomically(model, output: Path, max_shard_size: str = "5GB", dtype=None) -> None:
+    """``save_pretrained`` of a model in memory, written atomically (:func:`write_atomically`)."""
+    from lit_moe.model.hf import save_pretrained
+
+    write_atomically(output, lambda tmp: save_pretrained(model, tmp, max_shard_size=max_shard_size, dtype=dtype))
+
+
 def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str] = None,
             max_shard_size: str = "5GB") -> Path:
+    """The export of ``lit_moe convert-hf``: streamed tensor by tensor (:func:`stream_export`), or through a
+    whole model in memory when LoRA adapters are merged."""
     import torch
 
+    from lit_moe.checkpoint.iteration import IterationReader
+    from lit_moe.checkpoint.resume import find_iteration_dir
     from lit_moe.config_file import load_yaml
+    from lit_moe.model import DeepseekV3ForCausalLM
 
-    model = trained_model(load_yaml(config_path), config_path, checkpoint)
+    data = load_yaml(config_path)
     out = Path(output)
-    export_atomically(model, out, max_shard_size, getattr(torch, DTYPES[dtype]) if dtype else None)
+    out_dtype = getattr(torch, DTYPES[dtype]) if dtype else None
+    if data.get("lora_config") is not None:
+        model = trained_model(data, config_path, checkpoint)
+        export_atomically(model, out, max_shard_size, out_dtype)
+        return out
+    config, path = _config_and_checkpoint(data, config_path, checkpoint)
+    reader = IterationReader(find_iteration_dir(path))
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    write_atomically(out, lambda tmp: stream_export(model, reader, tmp, out_dtype, max_shard_size))
     return out
+
+
+def stream_export(model, reader, out: Path, dtype, max_shard_size: str) -> Path:
+    """Write the Hugging Face directory of ``model`` (on the meta device: names, shapes, dtypes) from the
+    checkpoint ``reader``, one tensor at a time (see the module docstring)."""
+    import json
+
+    import torch
+
+    from lit_moe.checkpoint.hf_load import region, view_geometry
+    from lit_moe.checkpoint.iteration import _prefix_map, _SubIndex
+    from lit_moe.checkpoint.sharded import Piece, canonical, check_shapes
+    from lit_moe.model import hf
+
+    config = model.config
+    L = config.num_hidden_layers
+    index = reader.index("model")
+    shapes = {canonical(k): v for k, v in model.state_dict().items()}
+    mapping = _prefix_map(list(shapes), index.keys(), reader.path)
+    prefix = next((s_[: len(s_) - len(k)] for k, s_ in mapping.items()), "")
+
+    class _Shape:
+        def __init__(self, shape):
+            self.global_shape = tuple(shape)
+
+    check_shapes(_SubIndex(index, {k for k in index.keys() if k.startswith(prefix)}),
+                 {mapping[k]: _Shape(v.shape) for k, v in shapes.items()}, "the model weights", reader.path)
+
+    entries = []   # (hf key, saved key, view geometry, stored dtype, output dtype)
+    for name, t in shapes.items():
+        for hf_key, view in hf.hf_keys(name, t.shape, L, config):
+            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            entries.append((hf_key, mapping[name], view_geometry(view, tuple(t.shape)), t.dtype,
+                            t.dtype if (dtype is None or keep_fp32) else dtype))
+    for k in range(config.num_nextn_predict_layers):   # DeepSeek's MTP layers carry copies of the shared tensors
+        for hf_key, name in ((f"model.layers.{L + k}.embed_tokens.weight", "embed_tokens.weight"),
+                             (f"model.layers.{L + k}.shared_head.head.weight", "lm_head.weight")):
+            t = shapes[name]
+            entries.append((hf_key, mapping[name], view_geometry(hf._WHOLE, tuple(t.shape)), t.dtype, dtype or t.dtype))
+
+    def nbytes(e) -> int:
+        return math.prod(e[2].shape) * e[4].itemsize
+
+    limit = hf._parse_size(max_shard_size)
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + nbytes(e) > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes(e)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = hf.SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        with SafetensorsWriter(out / fname, [(e[0], e[4], e[2].shape) for e in shard]) as w:
+            for hf_key, key, geo, stored, out_dt in shard:
+                full = [geo.start[b] if b is not None else 0 for b in range(len(geo.start))]
+                sizes = [1] * len(geo.start)
+                for d, b in enumerate(geo.dims):
+                    if b is not None:
+                        sizes[b] = geo.shape[d]
+                buf = torch.empty(sizes, dtype=stored)   # our tensor's region that makes this HF tensor
+                index.read([(key, buf, tuple(full), 0)])
+                _, hf_view = region(geo, Piece(buf, tuple(full), ()))
+                w.append(hf_key, hf_view.to(out_dt))
+                weight_map[hf_key] = fname
+    if len(shards) > 1:
+        (out / hf.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sum(map(nbytes, entries))},
+                                                     "weight_map": weight_map}, indent=2))
+    elif (out / hf.INDEX_FILE).exists():
+        (out / hf.INDEX_FILE).unlink()
+    (out / hf.CONFIG_FILE).write_text(json.dumps(hf.hf_config_dict(config, dtype), indent=2))
+    return out
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (every key's dtype, shape and byte
+    range, in the order given) first, then each tensor's bytes as it is appended."""
+
+    def __init__(self, path: Path, layout: list) -> None:
+        import json
+
+        from lit_moe.model.safetensors_io import DTYPES
+
+        names = {v: k for k, v in DTYPES.items()}
+        header, offset = {}, 0
+        self.order = []
+        for key, dtype, shape in layout:
+            n = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            self.order.append((key, dtype, tuple(shape)))
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)   # data aligned to 8 bytes, as safetensors writes it
+        self.f = open(path, "wb")
+        self.f.write(len(text).to_bytes(8, "little") + text)
+        self.next = 0
+
+    def append(self, key: str, t) -> None:
+        want = self.order[self.next]
+        if (key, t.dtype, tuple(t.shape)) != want:
+            raise ValueError(f"safetensors writer: got {key} {t.dtype} {list(t.shape)}, expected {want}")
+        import torch
+
+        self.f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.next += 1
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+        if exc[0] is None and self.next != len(self.order):
+            raise ValueError(f"safetensors writer: {len(self.order) - self.next} tensor(s) never written")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
