@@ -172,3 +172,20 @@ def test_fit_on_a_predict_config_points_to_predict(tmp_path, capsys):
     assert cli_main(["fit", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run_mode: 'predict'" in err[0] and "lit_moe predict" in err[0]
+
+
+@pytest.mark.parametrize("case", ["no_save", "not_empty", "shard_size"])
+def test_save_hf_at_end_is_checked_before_training(tmp_path, capsys, case):
+    out = tmp_path / "hf"
+    if case == "not_empty":
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+    cfg = tiny_config(tmp_path)
+    cfg["checkpoint"].update(enable_save=case != "no_save", save_hf_at_end=str(out),
+                             save_hf_max_shard_size="5 parsecs" if case == "shard_size" else "5GB")
+    assert cli_main(["fit", "--config", str(write_config(tmp_path, cfg))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = {"no_save": "needs checkpoint.enable_save", "not_empty": "not an empty directory",
+                "shard_size": "save_hf_max_shard_size: cannot parse"}[case]
+    assert len(err) == 1 and "checkpoint.save_hf_" in err[0] and expected in err[0], err
+    assert (out / "config.json").exists() == (case == "not_empty")
