@@ -21,7 +21,7 @@ LAYERS = [
      "lit_moe.device_speed"],
     ["lit_moe.ops"],
     ["lit_moe.model"],
-    ["lit_moe.data", "lit_moe.optim", "lit_moe.schedules", "lit_moe.lora", "lit_moe.generate"],
+    ["lit_moe.data", "lit_moe.optim", "lit_moe.qk_clip", "lit_moe.schedules", "lit_moe.lora", "lit_moe.generate"],
     ["lit_moe.checkpoint"],
     ["lit_moe.strategies"],
     ["lit_moe.callbacks", "lit_moe.evaluation"],

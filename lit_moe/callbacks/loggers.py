@@ -34,14 +34,14 @@ def build_logger(monitor: Any) -> Optional[Any]:
     """The run's TensorBoardLogger under ``monitor.tensorboard.output_dir``, in a new
     ``lit_moe/version_<n>`` directory per run; None when ``output_dir`` is empty. Our callbacks write
     to it with the optimizer step as x-axis."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     tb = monitor.tensorboard   # (log_interval is checked by build_callbacks, which uses it)
     if not tb.output_dir:
         return None
-    from lit_moe.callbacks._common import check_log_interval
+    queue = tb.queue_size   # an int >= 1, as MindFormers'
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+        from lit_moe.config import ConfigError
 
-    queue = check_log_interval(tb.queue_size, "monitor.tensorboard.queue_size")   # an int >= 1, as MindFormers'
+        raise ConfigError(f"monitor.tensorboard.queue_size: must be an int >= 1, got {queue!r}")
     return _tensorboard_logger_class()(save_dir=tb.output_dir, name=TENSORBOARD_RUN_NAME,
                                        default_hp_metric=False, max_queue=queue)
 

@@ -34,6 +34,15 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 100
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
 
 
+def state_bytes(mem: dict[str, int], parallelism: Any) -> int:
+    """Parameters, gradients and optimizer state of one rank (plus the unsharded gradients kept between
+    micro-batches when ``gradient_sync_every_microbatch`` is false)."""
+    total = mem["params"] + mem["grads"] + mem["optimizer"]
+    if not parallelism.gradient_sync_every_microbatch:
+        total += mem["unsharded_grads"] - mem["grads"]
+    return total
+
+
 def parse_device_memory(text: str) -> tuple[int, str]:
     """``(bytes, description)`` of ``--device-memory``: a size (``80GiB``, ``141 GiB``, ``80GB`` = 80e9
     bytes, a plain number of bytes) or a device name of :data:`DEVICE_MEMORY_GIB`; ValueError naming
@@ -73,8 +82,6 @@ def rank_peaks(mem: dict, activations: list[int], parallelism: Any, buffers: int
     """A :class:`RankPeak` per pipeline rank (one, ``rank 0``, without pipelines) from
     :func:`~lit_moe.strategies.plan.per_rank_bytes` and the activations of each pipeline rank;
     ``optimizer_scale`` scales the optimizer state (0.5: AdamW's fp32 moments stored in bf16)."""
-    from lit_moe.strategies.plan import state_bytes
-
     per_rank = mem.get("pipeline_ranks") or [mem]
     names = [f"pipeline rank {r}" for r in range(len(per_rank))] if "pipeline_ranks" in mem else ["rank 0"]
     rows = []

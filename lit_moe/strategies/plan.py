@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from lit_moe.config import (ConfigError, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig,
                             build_section)
+from lit_moe.strategies.memory_plan import state_bytes
 
 GiB = 1024 ** 3
 
@@ -369,15 +370,6 @@ def _param_bytes_by_name(model: torch.nn.Module) -> dict[str, int]:
 
     return {n: (p._local_tensor if isinstance(p, DTensor) else p).numel() * p.element_size()
             for n, p in model.named_parameters()}
-
-
-def state_bytes(mem: dict[str, int], parallelism: ParallelismConfig) -> int:
-    """Parameters, gradients and optimizer state of one rank (plus the unsharded gradients kept between
-    micro-batches when ``gradient_sync_every_microbatch`` is false)."""
-    total = mem["params"] + mem["grads"] + mem["optimizer"]
-    if not parallelism.gradient_sync_every_microbatch:
-        total += mem["unsharded_grads"] - mem["grads"]
-    return total
 
 
 def device_memory(accelerator: str, local_processes: int) -> tuple[int, str]:
