@@ -96,7 +96,8 @@ def test_accumulation_error_has_the_seed_text(tmp_path, capsys):
 
 
 def test_seed_example_parses_and_prints(tmp_path, capsys):
-    """The seed's 8-card example, committed unchanged, parses; --print_config shows the flat sections."""
+    """The 8-card example of MindFormers' PyNative configuration guide, committed unchanged, parses;
+    --print_config shows the flat sections."""
     assert main(["fit", "--config", str(ROOT / "configs" / "pynative.yaml"), "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["lr_scheduler"]["learning_rate"] == pytest.approx(1e-5)
@@ -373,7 +374,7 @@ def test_mindformers_rules_and_not_yet_errors(tmp_path, capsys, key, value, also
 
 
 def test_sequence_parallel_true_or_unset_is_what_lit_moe_does(tmp_path, capsys):
-    """The seed's example sets tensor_parallel 2 without sequence_parallel: that is accepted (lit_moe
+    """The guide's 8-card example sets tensor_parallel 2 without sequence_parallel: that is accepted (lit_moe
     always uses it); the error above comes only from an explicit false."""
     from lit_moe.config import ParallelismConfig
     from lit_moe.strategies.parallel_dims import check_parallelism_keys

@@ -1,5 +1,5 @@
-"""``lit_moe convert-config``: the seed's graph.yaml → pynative.yaml tables, field by field, the warning
-listing graph-only keys, ``gradient_accumulation_steps``, and the converted file planning and training."""
+"""``lit_moe convert-config``: the graph.yaml → pynative.yaml tables of MindFormers' PyNative
+configuration guide, field by field, the warning listing graph-only keys, ``gradient_accumulation_steps``, and the converted file planning and training."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from lit_moe.schedules import resolve_schedule
 
 GRAPH = Path(__file__).parent / "data" / "graph_deepseek3_tiny.yaml"
 
-# Every key of the fixture with no PyNative meaning (the seed's "Graph 独有配置项" and the parts of mapped
+# Every key of the fixture with no PyNative meaning (the guide's "Graph 独有配置项" and the parts of mapped
 # sections that the tables do not carry over).
 EXPECTED_DROPPED = {
     "output_dir", "load_checkpoint", "load_ckpt_format", "src_strategy_path_or_dir", "auto_trans_ckpt",
@@ -173,8 +173,8 @@ def pipeline_graph(pp: int, layers: int, offset=None, interleave=None, scheduler
 
 def test_pipeline_accumulates_micro_batch_num():
     result = quiet_convert(pipeline_graph(4, 8, micro=16))
-    # seed 003: under pipeline parallelism graph mode ignores gradient_accumulation_steps; micro_batch_num
-    # micro-batches are accumulated: 16 × dp 2 × batch 1
+    # MindFormers' training-features guide: under pipeline parallelism graph mode ignores
+    # gradient_accumulation_steps; micro_batch_num micro-batches are accumulated: 16 × dp 2 × batch 1
     assert result.pynative["training"]["global_batch_size"] == 32
     assert "parallel_config.pipeline_stage" not in result.dropped
     assert "parallel_config.micro_batch_num" not in result.dropped

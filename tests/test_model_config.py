@@ -7,7 +7,7 @@ import torch
 
 from lit_moe.config import NO_EFFECT_KEYS, ConfigError
 from lit_moe.model import DeepseekV3Config
-from lit_moe.model.presets import DEEPSEEK_V3_671B, SEED_8CARD
+from lit_moe.model.presets import DEEPSEEK_V3_671B, GUIDE_8CARD
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
              num_attention_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -17,7 +17,7 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermedia
 
 def test_seed_model_section_is_accepted_as_written(caplog):
     with caplog.at_level(logging.WARNING, logger="lit_moe.model.config"):
-        c = DeepseekV3Config(**SEED_8CARD)
+        c = DeepseekV3Config(**GUIDE_8CARD)
     assert "unknown" not in caplog.text
     assert c.position_embedding_type == "yarn" and c.scaling_factor == 40.0 and isinstance(c.scaling_factor, float)
     assert c.yarn_original_length == 4096            # seq_length: the MindFormers default for L0
@@ -84,7 +84,7 @@ def test_yaml_strings_and_normalisation():
 
 def test_layer_patterns():
     c = DeepseekV3Config(**{**SMALL, "num_hidden_layers": 12}, nope_layer_interval=4)
-    # four rotary layers between consecutive layers without position encoding (seed 003)
+    # four rotary layers between consecutive layers without position encoding (MindFormers' training-features guide)
     assert [i for i in range(12) if not c.uses_rope(i)] == [4, 9]
     c = DeepseekV3Config(**SMALL, window_size=[3, 0], window_attn_skip_freq=2)
     assert [c.uses_window(i) for i in range(4)] == [True, False, True, False]   # (N-1):1 with N=2

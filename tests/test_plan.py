@@ -1,5 +1,6 @@
 """``lit_moe plan --config X --world-size N`` (issue 5, point 6): layouts validated on fake process
-groups without workers or weights; the seed's 8-card table; per-rank bytes from the local shards."""
+groups without workers or weights; the 8-card table of MindFormers' PyNative configuration guide;
+per-rank bytes from the local shards."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from lit_moe.strategies.plan import main, plan
 ROOT = Path(__file__).resolve().parents[1]
 SEED = yaml.safe_load((ROOT / "configs" / "pynative.yaml").read_text())
 
-# seeds/001 §11.4: (tensor_parallel, expert_parallel, data_parallel as the table counts it)
+# MindFormers' PyNative configuration guide, section 11.4:
+# (tensor_parallel, expert_parallel, data_parallel as the table counts it)
 SEED_TABLE = [(2, 1, 4), (4, 1, 2), (8, 1, 1), (1, 2, 4), (2, 2, 2)]
 
 
@@ -68,7 +70,7 @@ def test_sample_model_with_four_heads_rejects_tp8(tmp_path, capsys):
 
 
 def test_sample_as_shipped_is_rejected_for_its_batch(tmp_path, capsys):
-    """The seed's own 8-card sample (TP=2 → data_parallel 4) has global_batch_size 2 < 4 · 1."""
+    """The guide's own 8-card sample (TP=2 → data_parallel 4) has global_batch_size 2 < 4 · 1."""
     assert main(["--config", str(ROOT / "configs" / "pynative.yaml"), "--world-size", "8"]) == 2
     err = capsys.readouterr().err
     assert "global_batch_size" in err and "data_parallel(4)" in err

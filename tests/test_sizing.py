@@ -6,23 +6,23 @@ import pytest
 import torch
 
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM, MoE, flops_per_token, param_counts
-from lit_moe.model.presets import DEEPSEEK_V3_671B, SEED_8CARD
+from lit_moe.model.presets import DEEPSEEK_V3_671B, GUIDE_8CARD
 
 
 def test_seed_config_builds_on_meta_quickly_and_counts_like_hugging_face():
     start = time.process_time()   # this process's CPU time: a busy machine does not inflate it
     with torch.device("meta"):
-        m = DeepseekV3ForCausalLM(SEED_8CARD)
+        m = DeepseekV3ForCausalLM(GUIDE_8CARD)
     assert time.process_time() - start < 30
     assert sum(p.numel() for p in m.parameters()) == 1_335_275_264
-    assert param_counts(SEED_8CARD).total == 1_335_275_264
+    assert param_counts(GUIDE_8CARD).total == 1_335_275_264
 
 
 def test_hugging_face_counts_the_seed_config_the_same():
     import transformers  # the judge: a hard test dependency (pyproject [test])
     from lit_moe.model.hf import hf_config_dict
 
-    cfg = hf_config_dict(DeepseekV3Config(**SEED_8CARD))
+    cfg = hf_config_dict(DeepseekV3Config(**GUIDE_8CARD))
     cfg.pop("lit_moe")
     with torch.device("meta"):
         hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg))

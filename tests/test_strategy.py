@@ -40,7 +40,7 @@ def fake_world():
 # world, dp_shard, tp, cp, ep -> dp, dp_replicate, dp_shard, efsdp
 CASES = [
     (1, -1, 1, 1, 1, 1, 1, 1, 1),
-    (8, -1, 2, 1, 1, 4, 1, 4, 8),       # the seed's 8-card example: TP=2, DP=4
+    (8, -1, 2, 1, 1, 4, 1, 4, 8),       # the guide's 8-card example: TP=2, DP=4
     (8, -1, 1, 1, 2, 8, 1, 8, 4),       # EP borrows: data parallel stays 8
     (8, -1, 2, 1, 2, 4, 1, 4, 4),
     (8, 2, 1, 1, 1, 8, 4, 2, 2),        # HSDP: 4 replicas of 2-way shards
@@ -113,12 +113,12 @@ def test_model_checks_accept_valid_layouts():
 
 
 def test_accumulation_steps_seed_rules():
-    # 000_…txt: 8 // (1 * 2) = 4 on one card
+    # MindFormers' PyNative training-features guide: 8 // (1 * 2) = 4 on one card
     assert ParallelDims(1).accumulation_steps(8, 2) == 4
     assert ParallelDims(8, tp=2).accumulation_steps(64, 2) == 8            # dp = 4
     assert ParallelDims(8, ep=2).accumulation_steps(64, 2) == 4            # ep does not shrink dp (8)
     with pytest.raises(ConfigError) as err:
-        ParallelDims(8, tp=2).accumulation_steps(2, 1)                     # the seed's own sample on 8 cards
+        ParallelDims(8, tp=2).accumulation_steps(2, 1)                     # the guide's own sample on 8 cards
     msg = str(err.value)
     assert isinstance(err.value, ValueError)
     for w in ("global_batch_size", "2", "data_parallel(4)", "local_batch_size(1)", "increase", "decrease"):

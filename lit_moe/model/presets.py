@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # The ``model:`` section of the complete 8-card pynative.yaml example (MindFormers' PyNative configuration guide, section 10), verbatim.
-SEED_8CARD: dict = {
+GUIDE_8CARD: dict = {
     "model_type": "deepseek_v3", "architectures": "DeepseekV3ForCausalLM", "vocab_size": 129280,
     "seq_length": 4096, "hidden_size": 1792, "intermediate_size": 3072, "num_hidden_layers": 16,
     "max_position_embeddings": 163840, "hidden_act": "silu", "num_attention_heads": 4,
