@@ -1,5 +1,6 @@
 """``lit_moe convert-config``: the graph.yaml → pynative.yaml tables of MindFormers' PyNative
-configuration guide, field by field, the warning listing graph-only keys, ``gradient_accumulation_steps``, and the converted file planning and training."""
+configuration guide, field by field, the warning listing graph-only keys, ``gradient_accumulation_steps``,
+and the converted file planning and training."""
 
 from __future__ import annotations
 
