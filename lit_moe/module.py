@@ -95,6 +95,7 @@ class LitMoE(LightningModule):
             check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
         self.step_metrics: Optional[StepMetrics] = None   # the last finished step
+        self.step_finished = False   # whether the last training_step call finished one
         self.skipped_steps = 0   # host count; the steps' own skips add up on the device (see the property)
         # Micro-batches of a step whose epoch ran out before the step was complete: the step goes
         # on with the next epoch's first micro-batches (as when every batch was its own call).
@@ -303,11 +304,13 @@ class LitMoE(LightningModule):
         return self.accumulation_steps * self.batch_ramp.samples_per_micro_batch
 
     def training_step(self, dataloader_iter: Iterator) -> None:
+        self.step_finished = False   # read by the batch-end hooks (lit_moe.step.finished_a_step)
         self._ramp_up()
         micro_batches = self._take_micro_batches(dataloader_iter)
         self._reset_step_accumulators()
         self.forward_backward(micro_batches)
         self._finish_optimizer_step()
+        self.step_finished = True
 
     def forward_backward(self, micro_batches: list[Batch]) -> None:
         """Forward and backward of each micro-batch of one step, gradients accumulated in ``p.grad``

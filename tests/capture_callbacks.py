@@ -70,6 +70,10 @@ class StepRecorder(Callback):
                 json.dump(self.val, f)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lit_moe.step import finished_a_step
+
+        if not finished_a_step(pl_module):
+            return
         self._collect_val(trainer)
         m = pl_module.step_metrics
         if trainer.global_rank == 0:

@@ -191,26 +191,26 @@ def test_cli_ramp_samples_per_step_are_the_hand_computed_ones(uninterrupted):
 
 
 @pytest.mark.timeout(900)
-def test_cli_resume_in_the_middle_of_the_ramp_is_bit_equal(uninterrupted, tmp_path):
+@pytest.mark.parametrize("iteration, line", [(3, "this step 6 (after 12 samples)"),
+                                             (4, "this step 6 (after 18 samples)")])
+def test_cli_resume_in_the_middle_of_the_ramp_is_bit_equal(uninterrupted, tmp_path, iteration, line):
     """From the step-3 checkpoint (12 samples: the batch grows to 6 with the next step; steps 4-7 take
-    6, 6, 8, 8, steps 5 and 6 begin with micro-batches carried over an epoch's end) the resumed run
-    trains what the uninterrupted one did, bit for bit. (The checkpoints of steps 2, 4 and 5 leave
-    fewer micro-batches in their epoch than the next step takes: a resume from them ends its first
-    call without a step, a limit of the step-taking that is not the ramp's.)"""
+    6, 6, 8, 8, steps 5 and 6 begin with micro-batches carried over an epoch's end) and from the step-4
+    one (18 samples: 2 left in the epoch, fewer than the next step takes, so the resumed run's first
+    call ends without a step and Lightning fires the batch-end hooks anyway) the resumed run trains what
+    the uninterrupted one did, bit for bit, one recorded row per step (the hooks skip a call that
+    finished no step: ``lit_moe.step.finished_a_step``; before, that call crashed the throughput
+    callback on a fresh resume)."""
     run_dir, rows, _ = uninterrupted
     rec = tmp_path / "rec.jsonl"
     cfg = _ramp_config(tmp_path, rec)
-    cfg["checkpoint"].update(load_path=str(run_dir / "ckpt" / "iteration_00000003"))
+    cfg["checkpoint"].update(load_path=str(run_dir / "ckpt" / f"iteration_{iteration:08d}"))
     proc = run_cli(["fit", "--config", str(write_config(tmp_path, cfg))], cwd=tmp_path, timeout=600,
                    env={"PYTHONPATH": TESTS})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "this step 6 (after 12 samples)" in proc.stdout + proc.stderr
-    # one row per step: after a resume, Lightning also fires the batch-end hooks once at an epoch's end
-    # without a step (StepRecorder then writes the last step again; a limit of the step-taking, not of
-    # the ramp); first_tokens (Lightning's last fetched batch) is left out for the same reason
-    resumed = list({r["step"]: r for r in reversed(_rows(rec))}.values())[::-1]
+    assert line in proc.stdout + proc.stderr
     keys = ("step", "loss_hex", "consumed_samples", "micro_batches", "lr")
-    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in rows[3:]]
+    assert [{k: r[k] for k in keys} for r in _rows(rec)] == [{k: r[k] for k in keys} for r in rows[iteration:]]
 
 
 @pytest.mark.timeout(900)
