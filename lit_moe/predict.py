@@ -207,14 +207,17 @@ def predict(args: argparse.Namespace) -> list[dict]:
     checkpoint = Path(checkpoint).expanduser()
     if not checkpoint.is_dir():
         raise ConfigError(f"--checkpoint: {str(checkpoint)!r} does not exist or is not a directory")
+    config = DeepseekV3Config(**read_pynative_model_section(data["model"]))
+    check_model(config)
+    layout, device = None, "cpu"
+    if world_size > 1:
+        dims, dispatcher = parallel_layout(data, config, world_size)
     prompts = read_prompts(args)
     tokenizer = run_tokenizer(args.tokenizer, checkpoint, data)
     encoded = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
     empty = [i for i, ids in enumerate(encoded, 1) if not ids]
     if empty:
         raise ConfigError(f"--prompt: prompt {empty[0]} ({prompts[empty[0] - 1]!r}) is empty after tokenization")
-    config = DeepseekV3Config(**read_pynative_model_section(data["model"]))
-    check_model(config)
     for i, ids in enumerate(encoded, 1):
         if len(ids) + args.max_new_tokens > config.max_position_embeddings:
             raise ConfigError(f"--prompt: prompt {i} has {len(ids)} tokens; with --max-new-tokens "
@@ -223,9 +226,7 @@ def predict(args: argparse.Namespace) -> list[dict]:
         if max(ids) >= config.vocab_size:
             raise ConfigError(f"--tokenizer: token id {max(ids)} of prompt {i} is outside model.vocab_size "
                               f"{config.vocab_size} (not the run's tokenizer?)")
-    layout, device = None, "cpu"
     if world_size > 1:
-        dims, dispatcher = parallel_layout(data, config, world_size)
         device = start_processes()
         dims.build_meshes(device.split(":")[0])
         layout = functools.partial(parallelize_for_generation, dims=dims, dispatcher=dispatcher)
