@@ -177,16 +177,20 @@ SAMPLING = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "3"]
 @pytest.mark.timeout(900)
 def test_predict_under_tp_and_ep_equals_one_process(exported):
     """One torchrun launch of 2 ranks generates under tp2, ep2 and tp2·ep2 (each rank loading its pieces
-    of the Hugging Face directory): rank 0 alone prints, greedy tokens are transformers' (as in one
-    process), and seeded sampling draws one process's tokens."""
+    of the Hugging Face directory, and under tp2·ep2 also of our own checkpoint): rank 0 alone prints,
+    greedy tokens are transformers' (as in one process), and seeded sampling draws one process's tokens."""
     import subprocess
 
+    from test_checkpoint_hf import _save_iteration
+
     tmp, m = exported
+    if not (tmp / "ckpt").exists():
+        _save_iteration(m, tmp / "ckpt")
     texts = ["It is a truth", "Mr. D", "Emma"]
     configs = [str(write_config(tmp, {"model": model_section(tmp), "parallelism": LAYOUTS[name]}, f"{name}.yaml"))
                for name in LAYOUTS]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", str(tmp / "hf"), *configs]
+           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *configs]
     proc = subprocess.run(cmd, cwd=tmp, env=child_env(ROOT / "tests"), capture_output=True, text=True,
                           timeout=scaled(600))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -201,29 +205,33 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     greedy = hf_generate(tmp / "hf", byte_ids, 8, pad=256, eos=256)
     sampled = generate(m, byte_ids, 8, pad_id=256, eos_id=256, temperature=1.5, top_p=0.9, seed=3)
     assert sampled != greedy
-    assert sorted(runs) == sorted([f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")]), proc.stdout
+    expected_runs = [f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")] + ["ckpt_tp2_ep2_greedy"]
+    assert sorted(runs) == sorted(expected_runs), proc.stdout
+    assert runs["ckpt_tp2_ep2_greedy"] == greedy
     for name in LAYOUTS:
         assert runs[f"{name}_greedy"] == greedy, name      # three rows each: rank 1 printed nothing
         assert runs[f"{name}_sampled"] == sampled, name
 
 
-def _worker(hf_dir: str, configs: list[str]) -> None:
-    """Under torchrun: ``lit_moe predict`` on each config, greedy then sampled, in one process group."""
+def _worker(hf_dir: str, ckpt_dir: str, configs: list[str]) -> None:
+    """Under torchrun: ``lit_moe predict`` on each config, greedy then sampled, and the last config on our
+    checkpoint, in one process group."""
     import os
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank0 = os.environ["RANK"] == "0"
-    for config in configs:
-        for mode, extra in (("greedy", []), ("sampled", SAMPLING)):
-            if rank0:
-                print(f"RUN {os.path.basename(config)[:-5]}_{mode}", flush=True)
-            rc = cli_main(["predict", "--config", config, "--checkpoint", hf_dir, "--tokenizer", "byte",
-                           "--max-new-tokens", "8", "--prompt", "It is a truth", "--prompt", "Mr. D",
-                           "--prompt", "Emma", *extra])
-            assert rc == 0
-            sys.stdout.flush()
+    runs = [(config, hf_dir, mode, extra) for config in configs
+            for mode, extra in (("greedy", []), ("sampled", SAMPLING))] + [(configs[-1], ckpt_dir, "greedy", [])]
+    for config, checkpoint, mode, extra in runs:
+        if os.environ["RANK"] == "0":
+            source = "ckpt_" if checkpoint == ckpt_dir else ""
+            print(f"RUN {source}{os.path.basename(config)[:-5]}_{mode}", flush=True)
+        rc = cli_main(["predict", "--config", config, "--checkpoint", checkpoint, "--tokenizer", "byte",
+                       "--max-new-tokens", "8", "--prompt", "It is a truth", "--prompt", "Mr. D",
+                       "--prompt", "Emma", *extra])
+        assert rc == 0
+        sys.stdout.flush()
     dist.destroy_process_group()
 
 
@@ -253,4 +261,4 @@ def test_save_hf_at_end_is_checked_before_training(tmp_path, capsys, case):
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3:])
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4:])
