@@ -147,7 +147,7 @@ def test_predict_cli_on_a_hugging_face_directory(exported, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_checkpoint", "empty_prompt", "too_long", "no_prompt", "pipeline",
-                                  "bad_jsonl"])
+                                  "lora_multi_process", "bad_jsonl"])
 def test_predict_bad_input_is_one_line(exported, capsys, monkeypatch, case):
     tmp, _ = exported
     config = write_config(tmp, {"model": model_section(tmp)}, "bad.yaml")
@@ -157,15 +157,18 @@ def test_predict_bad_input_is_one_line(exported, capsys, monkeypatch, case):
             "too_long": ["--checkpoint", str(tmp / "hf"), "--prompt", "x" * 60, "--max-new-tokens", "5"],
             "no_prompt": ["--checkpoint", str(tmp / "hf")],
             "pipeline": ["--checkpoint", str(tmp / "hf"), "--prompt", "a"],
+            "lora_multi_process": ["--checkpoint", str(tmp / "hf"), "--prompt", "a"],
             "bad_jsonl": ["--checkpoint", str(tmp / "hf"), "--prompts-file", str(tmp / "bad.jsonl")]}[case]
-    if case == "pipeline":   # refused before any process group starts
-        config = write_config(tmp, {"model": model_section(tmp), "parallelism": {"pipeline_parallel": 2}}, "pp.yaml")
+    if case in ("pipeline", "lora_multi_process"):   # refused before any process group starts
+        extra = {"parallelism": {"pipeline_parallel": 2}} if case == "pipeline" else {"lora_config": {"lora_rank": 4}}
+        config = write_config(tmp, {"model": model_section(tmp), **extra}, f"{case}.yaml")
         monkeypatch.setenv("WORLD_SIZE", "2")
     rc, rows, err = _predict(capsys, "--config", str(config), "--tokenizer", "byte", *args)
     lines = err.strip().splitlines()
     assert rc == 2 and rows == [] and len(lines) == 1 and "Traceback" not in err, err
     expected = {"missing_checkpoint": "nowhere", "empty_prompt": "prompt 2", "too_long": "max_position_embeddings 64",
-                "no_prompt": "at least one prompt", "pipeline": "parallelism.pipeline_parallel: 2", "bad_jsonl": "bad.jsonl:2"}[case]
+                "no_prompt": "at least one prompt", "pipeline": "parallelism.pipeline_parallel: 2",
+                "lora_multi_process": "lora_config: predict merges", "bad_jsonl": "bad.jsonl:2"}[case]
     assert lines[0].startswith("lit_moe predict: error:") and expected in lines[0], lines[0]
 
 
