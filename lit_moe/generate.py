@@ -10,14 +10,13 @@ Decoding is greedy (``temperature <= 0``) or samples from ``softmax(logits / tem
 restricted to the top-p nucleus, with a generator seeded by ``seed`` (the same seed, the same text).
 A sequence that produced ``eos_id`` is padded with ``pad_id`` afterwards (transformers' ``generate``).
 
-Under tensor parallel (:func:`whole_sequence_on_every_rank`) every rank keeps the whole residual
+Under tensor parallel (:func:`lit_moe.predict.whole_sequence_on_every_rank`) every rank keeps the whole residual
 stream and its own heads' part of the cache; the partial outputs of the row-parallel layers are
 summed over the ranks, so every rank computes the same logits and draws the same tokens.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -65,29 +64,6 @@ def forward_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
         h = h + (attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out)
         h = h + layer.mlp(layer.pre_mlp_layernorm(h))
     return model.lm_head(model.norm(h[:, -1:])).float()[:, 0]
-
-
-def _whole(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def whole_sequence_on_every_rank(model: torch.nn.Module, tp_group) -> None:
-    """Turn the sequence-parallel layout of :func:`lit_moe.strategies.tensor_parallel.apply_tensor_parallel`
-    into plain tensor parallel for decoding (one new token cannot be split along the sequence): the
-    blocks' entry gathers (``all_gather``, the MoE router's too) pass their input through, their exit
-    reduce-scatters (``reduce_scatter``: attention, MLP, MoE, embedding) all-reduce, and the head's
-    vocabulary columns are gathered (the training loss reads them vocabulary-parallel)."""
-    from lit_moe.strategies import comm
-    from lit_moe.strategies.hooks import transform_output
-
-    for module in model.modules():
-        # instance attributes put there by the tensor-parallel steps for exactly such swaps (recompute_comm)
-        if "all_gather" in vars(module):
-            module.all_gather = _whole
-        if "reduce_scatter" in vars(module):
-            module.reduce_scatter = functools.partial(comm.all_reduce, group=tp_group)
-    if not hasattr(model.lm_head, "gather_vocab"):
-        transform_output(model.lm_head, functools.partial(comm.all_gather, group=tp_group, dim=-1))
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
