@@ -1,8 +1,8 @@
 """``lit_moe predict --config pynative.yaml --checkpoint DIR --prompt TEXT [--prompt TEXT ...]``.
 
-Generates text from a trained model in one process (or several, below): the model of the config's ``model`` section with
-the weights of ``--checkpoint`` (a ``save_path``, an iteration directory written by any layout, or a
-Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
+Generates text from a trained model in one process (or several, below): the model of the config's
+``model`` section with the weights of ``--checkpoint`` (a ``save_path``, an iteration directory
+written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
 (:mod:`lit_moe.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
 Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
 
@@ -16,13 +16,13 @@ MindFormers' ``run_mode: predict`` maps here: such a pynative.yaml is accepted, 
 greedily without the MTP layers, as this does by default (the MTP depths are never run here).
 
 In one process the parallelism section is ignored (a checkpoint of any layout loads whole). Under a
-multi-process launcher (``torchrun``, ``WORLD_SIZE`` > 1) it runs the section's
-``tensor_parallel`` and ``expert_parallel`` (pipeline or context parallel, and a ``lora_config``, are
-refused in one line naming the key): every rank builds the model on the meta device, parallelizes it with the training's own tensor- and
-expert-parallel steps (no FSDP: the dense weights are whole on every rank that is not a
-tensor-parallel peer), loads its pieces of the checkpoint and generates the same prompts with the same
-seeded sampling; rank 0 prints. Tensor parallel keeps the whole sequence on every rank
-(:func:`whole_sequence_on_every_rank`): each rank caches the (replicated) latent and
+multi-process launcher (``torchrun``, ``WORLD_SIZE`` > 1) it runs the section's ``tensor_parallel``
+and ``expert_parallel`` (pipeline or context parallel, and a ``lora_config``, are refused in one line
+naming the key): every rank builds the model on the meta device, parallelizes it with the
+training's own tensor- and expert-parallel steps (no FSDP: the dense weights are whole on every rank
+that is not a tensor-parallel peer), loads its pieces of the checkpoint and generates the same
+prompts with the same seeded sampling; rank 0 prints. Tensor parallel keeps the whole sequence on
+every rank (:func:`whole_sequence_on_every_rank`): each rank caches the (replicated) latent and
 expands it into its own heads.
 """
 
