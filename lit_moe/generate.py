@@ -9,6 +9,11 @@ later token through ``0 * NaN``).
 Decoding is greedy (``temperature <= 0``) or samples from ``softmax(logits / temperature)``
 restricted to the top-p nucleus, with a generator seeded by ``seed`` (the same seed, the same text).
 A sequence that produced ``eos_id`` is padded with ``pad_id`` afterwards (transformers' ``generate``).
+
+Under tensor parallel (:func:`lit_moe.predict.whole_sequence_on_every_rank`) every rank keeps the
+whole residual stream and the whole (replicated) latent cache, expanded into its own heads; the
+partial outputs of the row-parallel layers are summed over the ranks, so every rank computes the
+same logits and draws the same tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +59,10 @@ def forward_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     allowed = step_mask(valid, ids.shape[1])
     h = model.embed(ids, positions)
     for layer in model.layers:
-        h = h + cached_mla(layer.self_attention, layer.input_layernorm(h), cos, sin, allowed, cache)
+        attn = layer.self_attention
+        out = cached_mla(attn, layer.input_layernorm(h), cos, sin, allowed, cache)
+        # cached_mla skips the module's forward, hence its tensor-parallel exit: sum the heads' parts here
+        h = h + (attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out)
         h = h + layer.mlp(layer.pre_mlp_layernorm(h))
     return model.lm_head(model.norm(h[:, -1:])).float()[:, 0]
 

@@ -1,8 +1,8 @@
 """``lit_moe predict --config pynative.yaml --checkpoint DIR --prompt TEXT [--prompt TEXT ...]``.
 
-Generates text from a trained model in one process: the model of the config's ``model`` section with
-the weights of ``--checkpoint`` (a ``save_path``, an iteration directory written by any layout, or a
-Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
+Generates text from a trained model in one process (or several, below): the model of the config's
+``model`` section with the weights of ``--checkpoint`` (a ``save_path``, an iteration directory
+written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
 (:mod:`lit_moe.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
 Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
 
@@ -15,13 +15,21 @@ MindFormers' ``run_mode: predict`` maps here: such a pynative.yaml is accepted, 
 ``checkpoint.load_path`` is the checkpoint when ``--checkpoint`` is not given. Its inference decodes
 greedily without the MTP layers, as this does by default (the MTP depths are never run here).
 
-One process only: the parallelism section is ignored (a checkpoint of any layout loads whole); under
-a multi-process launcher (``WORLD_SIZE`` > 1) it stops in one line.
+In one process the parallelism section is ignored (a checkpoint of any layout loads whole). Under a
+multi-process launcher (``torchrun``, ``WORLD_SIZE`` > 1) it runs the section's ``tensor_parallel``
+and ``expert_parallel`` (pipeline or context parallel, and a ``lora_config``, are refused in one line
+naming the key): every rank builds the model on the meta device, parallelizes it with the
+training's own tensor- and expert-parallel steps (no FSDP: the dense weights are whole on every rank
+that is not a tensor-parallel peer), loads its pieces of the checkpoint and generates the same
+prompts with the same seeded sampling; rank 0 prints. Tensor parallel keeps the whole sequence on
+every rank (:func:`whole_sequence_on_every_rank`): each rank caches the (replicated) latent and
+expands it into its own heads.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -89,24 +97,104 @@ def run_tokenizer(spec: Optional[str], checkpoint: Path, data: dict):
                       "no built-in corpus; name the run's tokenizer (byte, builtin:NAME or a tokenizer path)")
 
 
-def load_model(data: dict, config_path: str, checkpoint: Path):
-    """The config's model with the checkpoint's weights (a Hugging Face directory or ours)."""
+def load_model(data: dict, config_path: str, checkpoint: Path, layout=None, device: str = "cpu"):
+    """The config's model with the checkpoint's weights (a Hugging Face directory or ours), on ``device``;
+    ``layout(model)`` parallelizes the meta model first (each rank then loads only its pieces)."""
     from lit_moe.checkpoint.convert_hf import trained_model
 
-    if not (checkpoint / "config.json").is_file():
+    if layout is None and not (checkpoint / "config.json").is_file():
         return trained_model(data, config_path, str(checkpoint))
     import torch
 
     from lit_moe.checkpoint.hf_load import load_hf_into
+    from lit_moe.checkpoint.iteration import IterationReader, load_module
+    from lit_moe.checkpoint.resume import find_iteration_dir
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**read_pynative_model_section(data["model"])))
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    load_hf_into(model, checkpoint)
+    if layout is not None:
+        layout(model)
+    model.to_empty(device=device)
+    model.init_weights(0)   # buffers the checkpoint does not hold get their defined values
+    if (checkpoint / "config.json").is_file():
+        load_hf_into(model, checkpoint)
+    else:
+        load_module(model, IterationReader(find_iteration_dir(checkpoint)))
     return model
+
+
+def parallel_layout(data: dict, config, world_size: int):
+    """The ``ParallelDims`` (data-parallel ranks unsharded) and MoE dispatcher of the config's
+    tensor/expert parallelism on ``world_size`` ranks, checked before any process group starts."""
+    from lit_moe.strategies.expert_parallel import resolve_dispatcher
+    from lit_moe.strategies.parallel_dims import ParallelDims
+
+    section = data.get("parallelism") or {}
+    for key in ("pipeline_parallel", "context_parallel"):
+        if section.get(key, 1) not in (1, None):
+            raise ConfigError(f"parallelism.{key}: {section[key]!r}; predict runs tensor_parallel and "
+                              "expert_parallel only (set it to 1)")
+    if data.get("lora_config"):
+        raise ConfigError("lora_config: predict merges LoRA adapters in one process only; launch it without "
+                          "torchrun (or export the merged model with convert-hf first)")
+    # no FSDP for inference: every data-parallel rank holds the whole dense weights
+    dims = ParallelDims(world_size=world_size, tp=section.get("tensor_parallel") or 1,
+                        ep=section.get("expert_parallel") or 1)
+    dims.validate_model(config)
+    dispatcher = resolve_dispatcher(section.get("moe_token_dispatcher_type") or "alltoall",
+                                    getattr(config, "moe_token_dispatcher_type", None))
+    return dims, dispatcher
+
+
+def _whole(x):
+    return x
+
+
+def whole_sequence_on_every_rank(model, tp_group) -> None:
+    """Turn the sequence-parallel layout of :func:`lit_moe.strategies.tensor_parallel.apply_tensor_parallel`
+    into plain tensor parallel for decoding (one new token cannot be split along the sequence): the
+    blocks' entry gathers (``all_gather``, the MoE router's too) pass their input through, their exit
+    reduce-scatters (``reduce_scatter``: attention, MLP, MoE, embedding) all-reduce, and the head's
+    vocabulary columns are gathered (the training loss reads them vocabulary-parallel)."""
+    from lit_moe.strategies import comm
+    from lit_moe.strategies.hooks import transform_output
+
+    for module in model.modules():
+        # instance attributes put there by the tensor-parallel steps for exactly such swaps (recompute_comm)
+        if "all_gather" in vars(module):
+            module.all_gather = _whole
+        if "reduce_scatter" in vars(module):
+            module.reduce_scatter = functools.partial(comm.all_reduce, group=tp_group)
+    if not hasattr(model.lm_head, "gather_vocab"):
+        transform_output(model.lm_head, functools.partial(comm.all_gather, group=tp_group, dim=-1))
+
+
+def parallelize_for_generation(model, dims, dispatcher: str) -> None:
+    """The training's tensor- and expert-parallel steps on the meta model, then plain tensor parallel."""
+    from lit_moe.strategies.parallelize import apply_ep, apply_tp
+
+    apply_tp(model, dims)
+    apply_ep(model, dims, dispatcher)
+    if dims.tp > 1:
+        whole_sequence_on_every_rank(model, dims.mesh("tp").get_group())
+
+
+def start_processes() -> str:
+    """Join the launcher's process group; the device of this rank (its accelerator, else the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    from lit_moe.strategies.accelerators import default_backend
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device = f"{accelerator.type}:{int(os.environ.get('LOCAL_RANK', '0'))}" if accelerator else "cpu"
+    if accelerator:
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(default_backend(device))
+    return device
 
 
 def check_model(config) -> None:
@@ -124,9 +212,7 @@ def predict(args: argparse.Namespace) -> list[dict]:
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("predict runs in one process (a checkpoint of any layout loads whole): launch it without "
-                          "torchrun/srun; multi-process generation under tp/ep is not implemented")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be a positive integer, got {args.max_new_tokens}")
     if not 0.0 < args.top_p <= 1.0:
@@ -143,14 +229,17 @@ def predict(args: argparse.Namespace) -> list[dict]:
     checkpoint = Path(checkpoint).expanduser()
     if not checkpoint.is_dir():
         raise ConfigError(f"--checkpoint: {str(checkpoint)!r} does not exist or is not a directory")
+    config = DeepseekV3Config(**read_pynative_model_section(data["model"]))
+    check_model(config)
+    layout, device = None, "cpu"
+    if world_size > 1:
+        dims, dispatcher = parallel_layout(data, config, world_size)
     prompts = read_prompts(args)
     tokenizer = run_tokenizer(args.tokenizer, checkpoint, data)
     encoded = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
     empty = [i for i, ids in enumerate(encoded, 1) if not ids]
     if empty:
         raise ConfigError(f"--prompt: prompt {empty[0]} ({prompts[empty[0] - 1]!r}) is empty after tokenization")
-    config = DeepseekV3Config(**read_pynative_model_section(data["model"]))
-    check_model(config)
     for i, ids in enumerate(encoded, 1):
         if len(ids) + args.max_new_tokens > config.max_position_embeddings:
             raise ConfigError(f"--prompt: prompt {i} has {len(ids)} tokens; with --max-new-tokens "
@@ -159,7 +248,11 @@ def predict(args: argparse.Namespace) -> list[dict]:
         if max(ids) >= config.vocab_size:
             raise ConfigError(f"--tokenizer: token id {max(ids)} of prompt {i} is outside model.vocab_size "
                               f"{config.vocab_size} (not the run's tokenizer?)")
-    model = load_model(data, args.config, checkpoint)
+    if world_size > 1:
+        device = start_processes()
+        dims.build_meshes(device.split(":")[0])
+        layout = functools.partial(parallelize_for_generation, dims=dims, dispatcher=dispatcher)
+    model = load_model(data, args.config, checkpoint, layout, device)
     pad = config.pad_token_id if config.pad_token_id is not None else tokenizer.eod
     new = generate(model, encoded, args.max_new_tokens, pad_id=pad, eos_id=tokenizer.eod,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -169,16 +262,23 @@ def predict(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
     from lit_moe.model.hf import HFCheckpointError
     from lit_moe.tool_errors import one_line
 
+    ours = not dist.is_initialized()   # a process group started here (not by a caller) is ended here
     try:
         results = predict(args)
     except (ConfigError, HFCheckpointError) as err:
         print(f"lit_moe predict: error: {one_line(err)}", file=sys.stderr)
         return 2
-    for r in results:
-        print(json.dumps(r, ensure_ascii=False))
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        for r in results:
+            print(json.dumps(r, ensure_ascii=False))
     return 0
 
 

@@ -5,12 +5,13 @@ predict``: greedy tokens equal to transformers' ``DeepseekV3ForCausalLM.generate
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 import transformers  # the judge
 
-from helpers import randomize_norms_and_biases, tiny_config, write_config
+from helpers import ROOT, child_env, randomize_norms_and_biases, scaled, tiny_config, write_config
 from lit_moe.cli import main as cli_main
 from lit_moe.generate import LatentCache, forward_step, generate, left_pad, top_p_filter
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -145,8 +146,8 @@ def test_predict_cli_on_a_hugging_face_directory(exported, capsys):
     assert [r["tokens"] for r in rows] == expected
 
 
-@pytest.mark.parametrize("case", ["missing_checkpoint", "empty_prompt", "too_long", "no_prompt", "multi_process",
-                                  "bad_jsonl"])
+@pytest.mark.parametrize("case", ["missing_checkpoint", "empty_prompt", "too_long", "no_prompt", "pipeline",
+                                  "lora_multi_process", "bad_jsonl"])
 def test_predict_bad_input_is_one_line(exported, capsys, monkeypatch, case):
     tmp, _ = exported
     config = write_config(tmp, {"model": model_section(tmp)}, "bad.yaml")
@@ -155,16 +156,86 @@ def test_predict_bad_input_is_one_line(exported, capsys, monkeypatch, case):
             "empty_prompt": ["--checkpoint", str(tmp / "hf"), "--prompt", "a", "--prompt", ""],
             "too_long": ["--checkpoint", str(tmp / "hf"), "--prompt", "x" * 60, "--max-new-tokens", "5"],
             "no_prompt": ["--checkpoint", str(tmp / "hf")],
-            "multi_process": ["--checkpoint", str(tmp / "hf"), "--prompt", "a"],
+            "pipeline": ["--checkpoint", str(tmp / "hf"), "--prompt", "a"],
+            "lora_multi_process": ["--checkpoint", str(tmp / "hf"), "--prompt", "a"],
             "bad_jsonl": ["--checkpoint", str(tmp / "hf"), "--prompts-file", str(tmp / "bad.jsonl")]}[case]
-    if case == "multi_process":
+    if case in ("pipeline", "lora_multi_process"):   # refused before any process group starts
+        extra = {"parallelism": {"pipeline_parallel": 2}} if case == "pipeline" else {"lora_config": {"lora_rank": 4}}
+        config = write_config(tmp, {"model": model_section(tmp), **extra}, f"{case}.yaml")
         monkeypatch.setenv("WORLD_SIZE", "2")
     rc, rows, err = _predict(capsys, "--config", str(config), "--tokenizer", "byte", *args)
     lines = err.strip().splitlines()
     assert rc == 2 and rows == [] and len(lines) == 1 and "Traceback" not in err, err
     expected = {"missing_checkpoint": "nowhere", "empty_prompt": "prompt 2", "too_long": "max_position_embeddings 64",
-                "no_prompt": "at least one prompt", "multi_process": "one process", "bad_jsonl": "bad.jsonl:2"}[case]
+                "no_prompt": "at least one prompt", "pipeline": "parallelism.pipeline_parallel: 2",
+                "lora_multi_process": "lora_config: predict merges", "bad_jsonl": "bad.jsonl:2"}[case]
     assert lines[0].startswith("lit_moe predict: error:") and expected in lines[0], lines[0]
+
+
+LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2},
+           "tp2_ep2": {"tensor_parallel": 2, "expert_parallel": 2}}
+SAMPLING = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "3"]
+
+
+@pytest.mark.timeout(900)
+def test_predict_under_tp_and_ep_equals_one_process(exported):
+    """One torchrun launch of 2 ranks generates under tp2, ep2 and tp2·ep2 (each rank loading its pieces
+    of the Hugging Face directory, and under tp2·ep2 also of our own checkpoint): rank 0 alone prints,
+    greedy tokens are transformers' (as in one process), and seeded sampling draws one process's tokens."""
+    import subprocess
+
+    from test_checkpoint_hf import _save_iteration
+
+    tmp, m = exported
+    if not (tmp / "ckpt").exists():
+        _save_iteration(m, tmp / "ckpt")
+    texts = ["It is a truth", "Mr. D", "Emma"]
+    configs = [str(write_config(tmp, {"model": model_section(tmp), "parallelism": LAYOUTS[name]}, f"{name}.yaml"))
+               for name in LAYOUTS]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *configs]
+    proc = subprocess.run(cmd, cwd=tmp, env=child_env(ROOT / "tests"), capture_output=True, text=True,
+                          timeout=scaled(600))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    runs: dict[str, list[list[int]]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RUN "):
+            key = line.split()[1]
+            runs[key] = []
+        elif line.startswith("{"):
+            runs[key].append(json.loads(line)["tokens"])
+    byte_ids = [list(t.encode()) for t in texts]
+    greedy = hf_generate(tmp / "hf", byte_ids, 8, pad=256, eos=256)
+    sampled = generate(m, byte_ids, 8, pad_id=256, eos_id=256, temperature=1.5, top_p=0.9, seed=3)
+    assert sampled != greedy
+    expected_runs = [f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")] + ["ckpt_tp2_ep2_greedy"]
+    assert sorted(runs) == sorted(expected_runs), proc.stdout
+    assert runs["ckpt_tp2_ep2_greedy"] == greedy
+    for name in LAYOUTS:
+        assert runs[f"{name}_greedy"] == greedy, name      # three rows each: rank 1 printed nothing
+        assert runs[f"{name}_sampled"] == sampled, name
+
+
+def _worker(hf_dir: str, ckpt_dir: str, configs: list[str]) -> None:
+    """Under torchrun: ``lit_moe predict`` on each config, greedy then sampled, and the last config on our
+    checkpoint, in one process group."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    runs = [(config, hf_dir, mode, extra) for config in configs
+            for mode, extra in (("greedy", []), ("sampled", SAMPLING))] + [(configs[-1], ckpt_dir, "greedy", [])]
+    for config, checkpoint, mode, extra in runs:
+        if os.environ["RANK"] == "0":
+            source = "ckpt_" if checkpoint == ckpt_dir else ""
+            print(f"RUN {source}{os.path.basename(config)[:-5]}_{mode}", flush=True)
+        rc = cli_main(["predict", "--config", config, "--checkpoint", checkpoint, "--tokenizer", "byte",
+                       "--max-new-tokens", "8", "--prompt", "It is a truth", "--prompt", "Mr. D",
+                       "--prompt", "Emma", *extra])
+        assert rc == 0
+        sys.stdout.flush()
+    dist.destroy_process_group()
 
 
 def test_fit_on_a_predict_config_points_to_predict(tmp_path, capsys):
@@ -189,3 +260,8 @@ def test_save_hf_at_end_is_checked_before_training(tmp_path, capsys, case):
                 "shard_size": "save_hf_max_shard_size: cannot parse"}[case]
     assert len(err) == 1 and "checkpoint.save_hf_" in err[0] and expected in err[0], err
     assert (out / "config.json").exists() == (case == "not_empty")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -280,7 +280,12 @@ def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], 
     """``attn`` on the new tokens ``x [B, S, H]`` against the cached ones and themselves.
 
     ``cos``/``sin [B, S, d/2]``: the rotary angles of the new tokens' positions; ``allowed
-    [B, 1, S, T]``: which of the ``T = cache.length + S`` keys each new token sees."""
+    [B, 1, S, T]``: which of the ``T = cache.length + S`` keys each new token sees.
+
+    Under tensor parallel the projections are called as modules, so their hooks hand them this rank's
+    weights: ``q_b_proj``/``kv_b_proj`` give this rank's heads (``heads`` is counted from ``q``), the
+    cached latent and rope key are the same on every rank, and ``o_proj`` returns a partial sum that the
+    caller adds up over the ranks (:func:`lit_moe.generate.forward_step`)."""
     B, S, _ = x.shape
     if attn.q_lora_rank is None:
         q = attn.q_proj(x)
