@@ -83,7 +83,8 @@ _ADAMW_FAMILY = ("AdamW", "AdamWeightDecay", "FusedAdamWeightDecay", "FP32StateA
                  "AdamWeightDecayX")
 # Keys of model.model_config (and of the config.json of pretrained_model_dir) with no meaning for
 # training here: dropped, each with a note giving the reason.
-_INFERENCE = "inference only (KV cache, decoding, quantized serving); lit_moe has no predict path yet"
+_INFERENCE = ("inference only (KV cache, decoding, quantized serving): `lit_moe predict` takes its own "
+              "options (--max-new-tokens, --temperature, --top-p)")
 _GRAPH = "a MindSpore graph-mode compilation / fused-kernel switch; lit_moe's kernels need no switch"
 _LAYOUT = ("how MindSpore fuses weight tensors in its checkpoints; lit_moe keeps the Hugging Face layout "
            "(convert weights with the checkpoint converters)")
