@@ -148,8 +148,6 @@ def convert(config_path: str, checkpoint: str, output: str, dtype: Optional[str]
 def stream_export(model, reader, out: Path, dtype, max_shard_size: str) -> Path:
     """Write the Hugging Face directory of ``model`` (on the meta device: names, shapes, dtypes) from the
     checkpoint ``reader``, one tensor at a time (see the module docstring)."""
-    import json
-
     import torch
 
     from lit_moe.checkpoint.hf_load import region, view_geometry
@@ -158,7 +156,6 @@ def stream_export(model, reader, out: Path, dtype, max_shard_size: str) -> Path:
     from lit_moe.model import hf
 
     config = model.config
-    L = config.num_hidden_layers
     index = reader.index("model")
     shapes = {canonical(k): v for k, v in model.state_dict().items()}
     mapping = _prefix_map(list(shapes), index.keys(), reader.path)
@@ -171,52 +168,25 @@ def stream_export(model, reader, out: Path, dtype, max_shard_size: str) -> Path:
     check_shapes(_SubIndex(index, {k for k in index.keys() if k.startswith(prefix)}),
                  {mapping[k]: _Shape(v.shape) for k, v in shapes.items()}, "the model weights", reader.path)
 
-    entries = []   # (hf key, saved key, view geometry, stored dtype, output dtype)
-    for name, t in shapes.items():
-        for hf_key, view in hf.hf_keys(name, t.shape, L, config):
-            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-            entries.append((hf_key, mapping[name], view_geometry(view, tuple(t.shape)), t.dtype,
-                            t.dtype if (dtype is None or keep_fp32) else dtype))
-    for k in range(config.num_nextn_predict_layers):   # DeepSeek's MTP layers carry copies of the shared tensors
-        for hf_key, name in ((f"model.layers.{L + k}.embed_tokens.weight", "embed_tokens.weight"),
-                             (f"model.layers.{L + k}.shared_head.head.weight", "lm_head.weight")):
-            t = shapes[name]
-            entries.append((hf_key, mapping[name], view_geometry(hf._WHOLE, tuple(t.shape)), t.dtype, dtype or t.dtype))
-
-    def nbytes(e) -> int:
-        return math.prod(e[2].shape) * e[4].itemsize
-
-    limit = hf._parse_size(max_shard_size)
-    shards: list[list] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + nbytes(e) > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += nbytes(e)
+    shards = hf.shard_entries(hf.export_entries({k: (t.shape, t.dtype) for k, t in shapes.items()}, config, dtype),
+                              max_shard_size)
     out.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
     for i, shard in enumerate(shards):
-        fname = hf.SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        with SafetensorsWriter(out / fname, [(e[0], e[4], e[2].shape) for e in shard]) as w:
-            for hf_key, key, geo, stored, out_dt in shard:
+        geometry = {e.hf_key: view_geometry(e.view, tuple(shapes[e.name].shape)) for e in shard}
+        with SafetensorsWriter(out / hf.shard_file_name(i, len(shards)),
+                               [(e.hf_key, e.dtype, geometry[e.hf_key].shape) for e in shard]) as w:
+            for e in shard:
+                geo = geometry[e.hf_key]
                 full = [geo.start[b] if b is not None else 0 for b in range(len(geo.start))]
                 sizes = [1] * len(geo.start)
                 for d, b in enumerate(geo.dims):
                     if b is not None:
                         sizes[b] = geo.shape[d]
-                buf = torch.empty(sizes, dtype=stored)   # our tensor's region that makes this HF tensor
-                index.read([(key, buf, tuple(full), 0)])
+                buf = torch.empty(sizes, dtype=shapes[e.name].dtype)   # our tensor's region that makes this HF tensor
+                index.read([(mapping[e.name], buf, tuple(full), 0)])
                 _, hf_view = region(geo, Piece(buf, tuple(full), ()))
-                w.append(hf_key, hf_view.to(out_dt))
-                weight_map[hf_key] = fname
-    if len(shards) > 1:
-        (out / hf.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sum(map(nbytes, entries))},
-                                                     "weight_map": weight_map}, indent=2))
-    elif (out / hf.INDEX_FILE).exists():
-        (out / hf.INDEX_FILE).unlink()
-    (out / hf.CONFIG_FILE).write_text(json.dumps(hf.hf_config_dict(config, dtype), indent=2))
+                w.append(e.hf_key, hf_view.to(e.dtype))
+    hf.write_index_and_config(out, shards, hf.hf_config_dict(config, dtype))
     return out
 
 

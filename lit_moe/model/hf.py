@@ -29,7 +29,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -252,63 +252,92 @@ def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike],
 
     config: DeepseekV3Config = model.config
     hf_cfg = hf_config_dict(config, dtype)
-    L = config.num_hidden_layers
-    limit = _parse_size(max_shard_size)
 
-    entries: list[tuple[str, str, Slicer, torch.dtype, int]] = []   # hf key, our name, view, dtype, bytes
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in _canonical_tensors(model):
-        tensors[name] = t
-        for hf_key, view in hf_keys(name, t.shape, L, config):
-            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-            out_dtype = t.dtype if (dtype is None or keep_fp32) else dtype
-            numel = view(torch.empty(t.shape, device="meta")).numel()
-            entries.append((hf_key, name, view, out_dtype, numel * out_dtype.itemsize))
-    for k in range(config.num_nextn_predict_layers):   # DeepSeek's MTP layers carry copies of the shared tensors
-        prefix = f"model.layers.{L + k}."
-        for hf_key, name in ((prefix + "embed_tokens.weight", "embed_tokens.weight"),
-                             (prefix + "shared_head.head.weight", "lm_head.weight")):
-            t = tensors[name]
-            out_dtype = dtype or t.dtype
-            entries.append((hf_key, name, _WHOLE, out_dtype, t.numel() * out_dtype.itemsize))
-
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, e in enumerate(entries):
-        if shards[-1] and size + e[4] > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += e[4]
+    tensors = dict(_canonical_tensors(model))
+    shards = shard_entries(export_entries({k: (t.shape, t.dtype) for k, t in tensors.items()}, config, dtype),
+                           max_shard_size)
 
     writer = not (torch.distributed.is_available() and torch.distributed.is_initialized()
                   and torch.distributed.get_rank() != 0)
     directory = Path(directory)
     if writer:
         directory.mkdir(parents=True, exist_ok=True)
-    n = len(shards)
-    weight_map: dict[str, str] = {}
     full_cache: dict[str, torch.Tensor] = {}
     for s, shard in enumerate(shards):
-        fname = SINGLE_FILE if n == 1 else f"model-{s + 1:05d}-of-{n:05d}.safetensors"
         out: dict[str, torch.Tensor] = {}
-        for i in shard:
-            hf_key, name, view, out_dtype, _ = entries[i]
-            if name not in full_cache:
-                full_cache = {name: _full(tensors[name]).detach()}   # keep one gathered tensor at a time
-            out[hf_key] = view(full_cache[name]).to(device="cpu", dtype=out_dtype, copy=True).contiguous()
-            weight_map[hf_key] = fname
+        for e in shard:
+            if e.name not in full_cache:
+                full_cache = {e.name: _full(tensors[e.name]).detach()}   # keep one gathered tensor at a time
+            out[e.hf_key] = e.view(full_cache[e.name]).to(device="cpu", dtype=e.dtype, copy=True).contiguous()
         if writer:
-            save_file(out, str(directory / fname), metadata={"format": "pt"})
+            save_file(out, str(directory / shard_file_name(s, len(shards))), metadata={"format": "pt"})
     if writer:
-        if n > 1:
-            total = sum(e[4] for e in entries)
-            with open(directory / INDEX_FILE, "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        elif (directory / INDEX_FILE).exists():
-            (directory / INDEX_FILE).unlink()
-        with open(directory / CONFIG_FILE, "w") as f:
-            json.dump(hf_cfg, f, indent=2)
+        write_index_and_config(directory, shards, hf_cfg)
+
+
+class ExportEntry(NamedTuple):
+    """One tensor of a Hugging Face directory: where it comes from and how it is stored."""
+    hf_key: str
+    name: str               # our canonical tensor name it is a view of
+    view: Slicer            # our tensor -> this tensor (Hugging Face orientation)
+    dtype: torch.dtype      # stored dtype
+    nbytes: int
+
+
+def export_entries(tensors: dict[str, tuple[torch.Size, torch.dtype]], config: DeepseekV3Config,
+                   dtype: Optional[torch.dtype]) -> list[ExportEntry]:
+    """The tensors a Hugging Face export writes, in file order, from our canonical names to (shape,
+    dtype). ``dtype`` converts the storage (None: as they are), except the router weight and expert
+    bias, which stay fp32 as transformers keeps them. DeepSeek's MTP layers carry copies of the shared
+    embedding and head, as in the release."""
+    L = config.num_hidden_layers
+    entries = []
+    for name, (shape, stored) in tensors.items():
+        for hf_key, view in hf_keys(name, shape, L, config):
+            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            out_dtype = stored if (dtype is None or keep_fp32) else dtype
+            numel = view(torch.empty(shape, device="meta")).numel()
+            entries.append(ExportEntry(hf_key, name, view, out_dtype, numel * out_dtype.itemsize))
+    for k in range(config.num_nextn_predict_layers):
+        for hf_key, name in ((f"model.layers.{L + k}.embed_tokens.weight", "embed_tokens.weight"),
+                             (f"model.layers.{L + k}.shared_head.head.weight", "lm_head.weight")):
+            shape, stored = tensors[name]
+            out_dtype = dtype or stored
+            entries.append(ExportEntry(hf_key, name, _WHOLE, out_dtype, shape.numel() * out_dtype.itemsize))
+    return entries
+
+
+def shard_entries(entries: list[ExportEntry], max_shard_size: Union[int, str]) -> list[list[ExportEntry]]:
+    """``entries`` split into files of at most ``max_shard_size`` bytes (a tensor larger than that gets
+    a file of its own), in order."""
+    limit = _parse_size(max_shard_size)
+    shards: list[list[ExportEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def shard_file_name(i: int, n: int) -> str:
+    """The file name of shard ``i`` of ``n``, as transformers names them."""
+    return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index_and_config(directory: Path, shards: list[list[ExportEntry]], hf_cfg: dict) -> None:
+    """The index (only when there are several files; a stale one is removed) and ``config.json``."""
+    if len(shards) > 1:
+        weight_map = {e.hf_key: shard_file_name(i, len(shards)) for i, shard in enumerate(shards) for e in shard}
+        total = sum(e.nbytes for shard in shards for e in shard)
+        with open(directory / INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    elif (directory / INDEX_FILE).exists():
+        (directory / INDEX_FILE).unlink()
+    with open(directory / CONFIG_FILE, "w") as f:
+        json.dump(hf_cfg, f, indent=2)
 
 
 # ----------------------------------------------------------------------------------------------
