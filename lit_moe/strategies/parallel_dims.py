@@ -303,7 +303,11 @@ def _choice(p: Any, name: str, choices: tuple, message: Optional[str] = None) ->
 
 
 # Megatron-FSDP's data_parallel_sharding_strategy names (ZeRO-3, -2, -1); its no_shard (plain DDP) is not offered
-SHARD_STRATEGIES = {"optim_grads_params": "ZeRO-3", "optim_grads": "ZeRO-2", "optim": "ZeRO-1"}
+SHARD_STRATEGIES = {
+    "optim_grads_params": "ZeRO-3: parameters resharded after forward",
+    "optim_grads": "ZeRO-2: parameters kept gathered until backward",
+    "optim": "ZeRO-1: optimizer state sharded; parameters and gradients whole through the step",
+}
 
 
 def is_zero1(p: Any) -> bool:

@@ -248,7 +248,7 @@ def check_parallelism_section(p: ParallelismConfig) -> None:
     if p.data_parallel_shard_strategy not in SHARD_STRATEGIES:
         raise ParallelismError(
             f"parallelism.data_parallel_shard_strategy: {p.data_parallel_shard_strategy!r} is not supported; use "
-            + ", ".join(f"{name!r} ({zero})" for name, zero in SHARD_STRATEGIES.items()))
+            + ", ".join(f"{name!r} ({what.split(':')[0]})" for name, what in SHARD_STRATEGIES.items()))
     if is_zero1(p) and str(p.reshard_after_forward_policy).lower() == "always":
         raise ParallelismError(
             "parallelism.reshard_after_forward_policy: 'always' contradicts data_parallel_shard_strategy 'optim' "
