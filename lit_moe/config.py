@@ -135,9 +135,17 @@ class ParallelismConfig:
     """FSDP shard degree. -1: shard over all data-parallel ranks (pure FSDP). N > 0: HSDP with
     ``dp_replicate = data_parallel // N`` replicas of N-way shards."""
     data_parallel_shard_strategy: str = "optim_grads_params"
-    """``optim_grads_params`` (ZeRO-3: parameters resharded after forward) or ``optim_grads``
-    (ZeRO-2: gathered parameters kept between forward and backward). An explicit
-    ``reshard_after_forward_policy`` (``always``/``never``) takes precedence."""
+    """Megatron-FSDP's names: ``optim_grads_params`` (ZeRO-3: parameters resharded after forward),
+    ``optim_grads`` (ZeRO-2: gathered parameters kept between forward and backward) or ``optim``
+    (ZeRO-1: optimizer state and the fp32 master weights sharded over the data-parallel shard ranks;
+    parameters, gathered once by the step's first forward, and gradients, accumulated unsharded in fp32,
+    stay whole until the last micro-batch's backward, which reduce-scatters the gradients once per step;
+    ``gradient_sync_every_microbatch`` has no effect then). Unlike Megatron's ``optim``, the gathered
+    parameters are freed after the step's last backward (FSDP2 keeps no whole copy between steps), so the
+    next step gathers them again: one all-gather and one reduce-scatter per FSDP unit per step.
+    An explicit ``reshard_after_forward_policy`` (``always``/``never``) takes precedence (``always``
+    with ``optim`` is refused); ``optim`` with ``pipeline_parallel > 1`` is refused (not implemented);
+    layers whose ``fsdp.all_gather`` is recomputed (``recompute_comm``) gather again in each backward."""
     reshard_after_forward_policy: str = "default"
     """FSDP ``reshard_after_forward`` (MindFormers): ``always`` (reshard: ZeRO-3), ``never`` (keep the
     gathered parameters until backward: ZeRO-2), ``default`` (follow ``data_parallel_shard_strategy``,
@@ -226,7 +234,8 @@ class ParallelismConfig:
     """Accepted, no effect (see "Keys accepted without effect")."""
     gradient_sync_every_microbatch: bool = True
     """True: reduce-scatter gradients after every micro-batch (least memory). False: accumulate
-    unsharded gradients locally and synchronise once per optimizer step (less communication)."""
+    unsharded gradients locally and synchronise once per optimizer step (less communication). No
+    effect with ``data_parallel_shard_strategy: optim`` (always once per step)."""
     process_group_timeout_s: int = 600
     """Collective timeout in seconds: a dead rank ends the job with an error instead of a hang."""
 

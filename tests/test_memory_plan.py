@@ -128,3 +128,42 @@ def test_planned_peak_matches_a_measured_fit():
 
     (rank, measured, planned), = compare("one_process_bf16_moments")
     assert abs(measured / planned - 1) <= 0.07, (measured, planned)
+
+
+def test_zero1_keeps_parameters_and_gradients_whole_and_shards_the_optimizer(tmp_path):
+    """``data_parallel_shard_strategy: optim`` on 2 ranks, hand-computed from the tiny model's shapes:
+    each rank holds its half of the fp32 master weights and of AdamW's two fp32 moments (FSDP splits dim
+    0, the first rank taking the ceiling), the whole compute-dtype copy and the whole fp32 gradients;
+    ZeRO-3 holds halves of all three. The plan prints the ZeRO-1 line and its peak row."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import tiny_config
+
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies.memory_plan import rank_peaks, state_parts
+    from lit_moe.strategies.parallel_dims import ParallelDims
+    from lit_moe.strategies.plan import per_rank_bytes
+
+    cfg = tiny_config(tmp_path)
+    model_config = DeepseekV3Config(**cfg["model"])
+    compute = torch.empty((), dtype=model_config.torch_dtype("compute_dtype")).element_size()
+    assert compute == 2    # bf16 compute: the gathered copy is half the master's size
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in DeepseekV3ForCausalLM(model_config).parameters()]
+    whole = sum(torch.Size(s).numel() for s in shapes)
+    half = sum(-(-s[0] // 2) * torch.Size(s[1:]).numel() for s in shapes)
+    zero1, zero3 = ParallelismConfig(data_parallel_shard_strategy="optim"), ParallelismConfig()
+    mem = per_rank_bytes(model_config, ParallelDims(world_size=2), zero1)
+    assert state_parts(mem, zero1) == (4 * half + compute * whole, 4 * whole, 8 * half)
+    assert state_parts(mem, zero3) == (4 * half, 4 * half, 8 * half)
+    (row,) = rank_peaks(mem, [0], zero1)
+    assert (row.params, row.grads, row.optimizer) == (4 * half + compute * whole, 4 * whole, 8 * half)
+
+    cfg["parallelism"] = {**cfg.get("parallelism", {}), "data_parallel_shard_strategy": "optim"}
+    result, text = _plan(tmp_path, cfg, 2)
+    assert "sharding strategy optim (ZeRO-1: optimizer state sharded" in text
+    assert result["peaks"][0].grads == 4 * whole and result["peaks"][0].optimizer == 8 * half

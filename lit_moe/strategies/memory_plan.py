@@ -7,7 +7,8 @@ backward at the schedule's peak (:mod:`lit_moe.strategies.activation_memory`; wi
 micro-batch of the whole model, since each micro-batch's backward frees them before the next forward),
 and FSDP's transient buffers: the compute-dtype copies of two decoder layers gathered at once (the
 current one and the prefetched next) and the fp32 unsharded gradients of one layer before their
-reduce-scatter. The headline is the most loaded rank. On the CPU's math attention path (what
+reduce-scatter (ZeRO-1, whose parameters stay gathered: one layer's compute-dtype gradient before it
+joins the fp32 sum, and that layer's fp32 reduce-scatter input). The headline is the most loaded rank. On the CPU's math attention path (what
 ``benchmarks/plan_memory.py`` measures) one layer's fp32 ``S x S`` scores and their gradient are held
 next to the saved probabilities for a moment; the fused kernels of GPUs and NPUs have no such term.
 
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lit_moe.strategies.parallel_dims import is_zero1
+
 GiB = 1024 ** 3
 
 # Device memory by name (``--device-memory H100``): the memory of the usual training part of each name.
@@ -34,13 +37,22 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 100
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
 
 
+def state_parts(mem: dict[str, int], parallelism: Any) -> tuple[int, int, int]:
+    """``(parameters, gradients, optimizer state)`` bytes one rank holds during a step. ZeRO-2/3: the
+    local shards, with the unsharded gradients kept between micro-batches when
+    ``gradient_sync_every_microbatch`` is false. ZeRO-1 (``data_parallel_shard_strategy: optim``): the
+    parameters' compute-dtype copy gathered for the whole step beside the sharded fp32 master, and the
+    whole fp32 gradients accumulated until the step's last backward; only the optimizer state (and the
+    master) is divided by the shard degree."""
+    if is_zero1(parallelism):
+        return mem["params"] + mem["gathered_params"], mem["unsharded_grads"], mem["optimizer"]
+    grads = mem["grads"] if parallelism.gradient_sync_every_microbatch else mem["unsharded_grads"]
+    return mem["params"], grads, mem["optimizer"]
+
+
 def state_bytes(mem: dict[str, int], parallelism: Any) -> int:
-    """Parameters, gradients and optimizer state of one rank (plus the unsharded gradients kept between
-    micro-batches when ``gradient_sync_every_microbatch`` is false)."""
-    total = mem["params"] + mem["grads"] + mem["optimizer"]
-    if not parallelism.gradient_sync_every_microbatch:
-        total += mem["unsharded_grads"] - mem["grads"]
-    return total
+    """Parameters, gradients and optimizer state of one rank (:func:`state_parts`)."""
+    return sum(state_parts(mem, parallelism))
 
 
 def parse_device_memory(text: str) -> tuple[int, str]:
@@ -67,7 +79,7 @@ class RankPeak:
 
     name: str
     params: int
-    grads: int          # sharded fp32 gradients (+ the unsharded ones kept between micro-batches)
+    grads: int          # fp32 gradients: sharded, or whole between micro-batches (see state_parts)
     optimizer: int
     activations: int    # saved for backward at the schedule's peak
     buffers: int        # FSDP's gathered layers and unsharded gradients in flight
@@ -86,8 +98,8 @@ def rank_peaks(mem: dict, activations: list[int], parallelism: Any, buffers: int
     names = [f"pipeline rank {r}" for r in range(len(per_rank))] if "pipeline_ranks" in mem else ["rank 0"]
     rows = []
     for name, m, act in zip(names, per_rank, activations):
-        grads = state_bytes(m, parallelism) - m["params"] - m["optimizer"]
-        rows.append(RankPeak(name, m["params"], grads, int(m["optimizer"] * optimizer_scale), act, buffers))
+        params, grads, optimizer = state_parts(m, parallelism)
+        rows.append(RankPeak(name, params, grads, int(optimizer * optimizer_scale), act, buffers))
     return rows
 
 

@@ -302,6 +302,20 @@ def _choice(p: Any, name: str, choices: tuple, message: Optional[str] = None) ->
     return value.lower()
 
 
+# Megatron-FSDP's data_parallel_sharding_strategy names (ZeRO-3, -2, -1); its no_shard (plain DDP) is not offered
+SHARD_STRATEGIES = {
+    "optim_grads_params": "ZeRO-3: parameters resharded after forward",
+    "optim_grads": "ZeRO-2: parameters kept gathered until backward",
+    "optim": "ZeRO-1: optimizer state sharded; parameters and gradients whole through the step",
+}
+
+
+def is_zero1(p: Any) -> bool:
+    """``data_parallel_shard_strategy: optim``: only the optimizer state (with the fp32 master weights) is
+    sharded; parameters and gradients stay whole through the step, reduced once at its last backward."""
+    return p.data_parallel_shard_strategy == "optim"
+
+
 def reshard_after_forward(p: Any) -> bool:
     """FSDP ``reshard_after_forward`` of the run: ``reshard_after_forward_policy`` (MindFormers)
     when it is ``always``/``never``, else ``data_parallel_shard_strategy`` (ZeRO-3 reshards)."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lit_moe.config import (ConfigError, ParallelismConfig, RecomputeCommConfig, RecomputeConfig, TrainingConfig,
                             build_section)
 from lit_moe.strategies.memory_plan import state_bytes
+from lit_moe.strategies.parallel_dims import SHARD_STRATEGIES, is_zero1
 
 GiB = 1024 ** 3
 
@@ -63,16 +64,19 @@ def _init_fake_world(world_size: int) -> None:
 
 def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None,
                 names: Optional[set[str]] = None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients (sharded, fp32), optimizer state, and the
-    unsharded gradients kept during accumulation without per-micro-batch sync. ``names``: only
-    these parameters (a pipeline rank's stages)."""
+    """Bytes this rank holds for parameters, gradients (sharded, fp32), optimizer state, the
+    unsharded gradients kept during accumulation without per-micro-batch sync, and the gathered
+    compute-dtype parameters of the FSDP-sharded ones (ZeRO-1 keeps them). ``names``: only these
+    parameters (a pipeline rank's stages)."""
     from torch.distributed.tensor import DTensor
 
     from lit_moe.optim import optimizer_state_bytes, validate_optimizer_section
 
     settings = validate_optimizer_section(optimizer_section or {"type": "AdamW"})
-    out = {"params": 0, "grads": 0, "optimizer": 0, "unsharded_grads": 0, "params_numel": 0}
+    out = {"params": 0, "grads": 0, "optimizer": 0, "unsharded_grads": 0, "gathered_params": 0, "params_numel": 0}
     fsdp_sizes = _fsdp_shard_sizes(model)
+    config = getattr(model, "config", None)
+    compute = torch.empty((), dtype=config.torch_dtype("compute_dtype")).element_size() if config else 4
     for name, p in model.named_parameters():
         if names is not None and name not in names:
             continue
@@ -83,6 +87,8 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
         out["grads"] += n * 4
         out["optimizer"] += n * optimizer_state_bytes(name, p, settings)
         out["unsharded_grads"] += n * 4 * fsdp_sizes.get(name, 1)
+        if fsdp_sizes.get(name, 1) > 1:   # the compute-dtype copy FSDP gathers (held all step under ZeRO-1)
+            out["gathered_params"] += n * compute * fsdp_sizes[name]
     return out
 
 
@@ -208,8 +214,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
               f"{seed_dp}; lit_moe follows MindFormers' code: data_parallel = world_size / (tp * pp * cp) = "
               f"{dims.dp})", file=out)
     p(f"  sharding strategy {parallelism.data_parallel_shard_strategy} "
-      f"({'ZeRO-3: parameters resharded after forward' if parallelism.data_parallel_shard_strategy == 'optim_grads_params' else 'ZeRO-2: parameters kept gathered until backward'})",
-      file=out)
+      f"({SHARD_STRATEGIES[parallelism.data_parallel_shard_strategy]})", file=out)
     p("batch", file=out)
     per_micro = dims.dp * training.local_batch_size
     p(f"  local_batch_size {training.local_batch_size} x data_parallel {dims.dp} = {per_micro} samples per "
@@ -242,7 +247,11 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  parameters ({model_config.params_dtype}): {_fmt_bytes(mem['params'])} "
       f"({mem['params_numel']:,} values; {mem['params_numel'] / max(total, 1):.4%} of the model)", file=out)
     p(f"  gradients (fp32, sharded): {_fmt_bytes(mem['grads'])}", file=out)
-    if not parallelism.gradient_sync_every_microbatch:
+    if is_zero1(parallelism):
+        p(f"  ZeRO-1 (data_parallel_shard_strategy: optim) holds through the step the gathered parameters "
+          f"({model_config.compute_dtype}): {_fmt_bytes(mem['gathered_params'])} and the whole gradients (fp32): "
+          f"{_fmt_bytes(mem['unsharded_grads'])}", file=out)
+    elif not parallelism.gradient_sync_every_microbatch:
         p(f"  gradients kept unsharded between micro-batches (gradient_sync_every_microbatch: false): "
           f"{_fmt_bytes(mem['unsharded_grads'])}", file=out)
     p(f"  optimizer state ({_optimizer_label(optimizer_section)}): {_fmt_bytes(mem['optimizer'])}", file=out)
@@ -331,7 +340,7 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
         model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
                             model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
         out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model),
-               "fsdp_buffers": _fsdp_buffer_bytes(model, model_config)}
+               "fsdp_buffers": _fsdp_buffer_bytes(model, model_config, is_zero1(parallelism))}
         if dims.pp > 1:
             from lit_moe.strategies.pipeline import PipelineLayout, parameters_of_ranks
 
@@ -345,10 +354,12 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
         dims.meshes = {}
 
 
-def _fsdp_buffer_bytes(model: torch.nn.Module, model_config: Any) -> int:
+def _fsdp_buffer_bytes(model: torch.nn.Module, model_config: Any, zero1: bool = False) -> int:
     """FSDP's transient bytes at a layer boundary: two decoder layers gathered in the compute dtype (the
     running one and the prefetched next) and one layer's unsharded fp32 gradients before the
-    reduce-scatter, of the largest layer (``lit_moe plan``'s peak)."""
+    reduce-scatter, of the largest layer (``lit_moe plan``'s peak). ZeRO-1 gathers nothing then (the
+    parameters stay gathered, counted as parameters): one layer's compute-dtype gradient before it is
+    added to the fp32 sum, and its fp32 reduce-scatter input at the step's last backward."""
     from torch.distributed.tensor import DTensor
 
     compute = torch.empty((), dtype=model_config.torch_dtype("compute_dtype")).element_size()
@@ -361,7 +372,7 @@ def _fsdp_buffer_bytes(model: torch.nn.Module, model_config: Any) -> int:
             key = ".".join(parts[:2])
             per_layer[key] = per_layer.get(key, 0) + local.numel() * sizes[name]
     largest = max(per_layer.values(), default=0)
-    return largest * (2 * compute + 4)
+    return largest * ((compute + 4) if zero1 else (2 * compute + 4))
 
 
 def _param_bytes_by_name(model: torch.nn.Module) -> dict[str, int]:

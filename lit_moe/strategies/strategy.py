@@ -33,7 +33,7 @@ from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
 from lit_moe.strategies.clip import global_grad_norm
-from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
+from lit_moe.strategies.parallel_dims import SHARD_STRATEGIES, ParallelDims, ParallelismError, is_zero1
 
 
 class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
@@ -221,9 +221,12 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients after this micro-batch (``enabled``) or accumulate them unsharded.
 
-        Only acts when ``parallelism.gradient_sync_every_microbatch`` is False: the module calls it
-        with ``enabled = (last micro-batch of the step)``."""
-        if self.parallelism.gradient_sync_every_microbatch:
+        The module calls it with ``enabled = (last micro-batch of the step)``. Acts when
+        ``parallelism.gradient_sync_every_microbatch`` is False, and always under ZeRO-1
+        (``data_parallel_shard_strategy: optim``), which also keeps the gathered parameters after every
+        backward but the last: the step gathers them once and reduce-scatters the gradients once."""
+        zero1 = is_zero1(self.parallelism)
+        if self.parallelism.gradient_sync_every_microbatch and not zero1:
             enabled = True
         if enabled == self._sync_enabled:
             return
@@ -235,15 +238,25 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(enabled, recurse=False)
+                if zero1:
+                    module.set_reshard_after_backward(enabled, recurse=False)
         self._sync_enabled = enabled
 
 
 def check_parallelism_section(p: ParallelismConfig) -> None:
     """Field checks that need no world size (the CLI calls them before launching)."""
-    if p.data_parallel_shard_strategy not in ("optim_grads_params", "optim_grads"):
+    if p.data_parallel_shard_strategy not in SHARD_STRATEGIES:
         raise ParallelismError(
-            f"parallelism.data_parallel_shard_strategy: {p.data_parallel_shard_strategy!r} is not supported; "
-            "use 'optim_grads_params' (ZeRO-3) or 'optim_grads' (ZeRO-2)")
+            f"parallelism.data_parallel_shard_strategy: {p.data_parallel_shard_strategy!r} is not supported; use "
+            + ", ".join(f"{name!r} ({what.split(':')[0]})" for name, what in SHARD_STRATEGIES.items()))
+    if is_zero1(p) and str(p.reshard_after_forward_policy).lower() == "always":
+        raise ParallelismError(
+            "parallelism.reshard_after_forward_policy: 'always' contradicts data_parallel_shard_strategy 'optim' "
+            "(ZeRO-1 keeps the gathered parameters through the step); use 'default' or 'never'")
+    if is_zero1(p) and p.pipeline_parallel > 1:
+        raise ParallelismError(
+            "parallelism.data_parallel_shard_strategy: 'optim' (ZeRO-1) with pipeline_parallel > 1 is not "
+            "implemented; use 'optim_grads' or 'optim_grads_params'")
     if p.moe_token_dispatcher_type not in ("alltoall", "allgather"):
         raise ParallelismError(
             f"parallelism.moe_token_dispatcher_type: {p.moe_token_dispatcher_type!r} is not supported; "
