@@ -294,6 +294,9 @@ MINDFORMERS = {
     "bos_token_id": 0, "eos_token_id": 1,          # D
     "head_dim": None,                              # T kv_channels (None -> hidden_size // heads)
     "partial_rotary_factor": 1.0,                  # T
+    # T: experimental_attention_variant and its dsa_indexer_{topk,n_heads,head_dim,loss_coeff,use_sparse_loss}
+    "experimental_attention_variant": None, "index_topk": None, "index_n_heads": None, "index_head_dim": None,
+    "dsa_indexer_loss_coeff": None, "dsa_indexer_use_sparse_loss": False,
 }
 # lit_moe switches MindFormers has no key for.
 LIT_MOE_ONLY = {"gelu_approximate", "silu_inplace", "use_fused_swiglu", "torch_compile"}

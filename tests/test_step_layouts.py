@@ -37,8 +37,8 @@ SKIP_AT = 2
 def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False, compile=False,
             cp_method="colossal", cp_async=False, family="deepseek_v3", strategy="optim_grads_params"):
     return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
-                mtp=0 if cp > 1 or family != "deepseek_v3" else 1, compile=compile, cp_method=cp_method,
-                cp_async=cp_async, family=family, strategy=strategy)
+                mtp=0 if cp > 1 or family not in ("deepseek_v3", "deepseek_v32") else 1, compile=compile,
+                cp_method=cp_method, cp_async=cp_async, family=family, strategy=strategy)
 
 
 # The other families' sections: the same sizes with grouped-query attention and their routers.
@@ -49,6 +49,8 @@ FAMILY_SECTIONS = {
                       norm_topk_prob=True),   # seq_aux_loss: per sequence, so equal on any data split
     "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, head_dim=16, attention_bias=True,
                      qk_layernorm=True),
+    # DeepSeek-V3.2: each query attends to the indexer's 8 best of its keys (SEQ 32), the MTP layer's too
+    "deepseek_v32": dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16),
 }
 
 
@@ -77,9 +79,11 @@ LAYOUTS = {
     # FSDP over 4 ranks, step 2 vetoed by a StepGuard: nothing changes, the next step goes on from step 1
     "dp4_skip": _layout(4, skip=True),
     # the other families: Qwen3-MoE's softmax router under expert parallel, GLM-4-MoE's q/k/v heads and
-    # biases under tensor parallel
+    # biases under tensor parallel, DeepSeek-V3.2's sparse attention under tensor parallel
     "qwen3_dp2_ep2": _layout(2, ep=2, family="qwen3_moe"),
     "glm4_tp2": _layout(2, tp=2, family="glm4_moe"),
+    # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel
+    "v32_tp2": _layout(2, tp=2, family="deepseek_v32"),
 }
 
 
@@ -350,6 +354,10 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         assert final.keys() == ref_final.keys()
         worst = max(float((torch.tensor(final[n]) - torch.tensor(ref_final[n])).abs().max()) for n in final)
         assert worst <= 1.5e-6, (name, worst)
+    if spec["family"] == "deepseek_v32":   # the indexer gets no gradient: not even weight decay moves it
+        indexer = [n for n in ref[-1]["update_norms"] if ".indexer." in n]
+        assert indexer and all(g["update_norms"][n] == r["update_norms"][n] == 0 for g, r in zip(got, ref)
+                               for n in indexer)
     if spec["skip"]:
         # the skipped step changed nothing: step 3 sees the biases of step 1
         assert got[1]["expert_bias"] == got[0]["expert_bias"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.indexer import LightningIndexer
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
 from lit_moe.ops import Linear, apply_rotary, build_norm, fused_linear
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
@@ -218,9 +219,12 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(n * self.v_head_dim, H, dtype=dtype)
         self.core_attention = CoreAttention(softmax_scale(c), c.attention_dropout, c.use_flash_attention,
                                             c.torch_dtype("softmax_compute_dtype"))
+        # DeepSeek-V3.2's sparse attention: the keys each query sees are the indexer's top-k
+        self.indexer = LightningIndexer(c, layer_idx, dtype=dtype) if c.sparse_attention else None
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, S, _ = x.shape
+        q_latent = None
         if self.q_lora_rank is None:
             q = self.q_proj(x)
             latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -228,7 +232,8 @@ class MLAttention(nn.Module):
             # the two down projections of x as one GEMM (q_a_proj and kv_a_proj_with_mqa stay separate modules)
             q_latent, latent, k_pe = fused_linear(x, self.q_a_proj, self.kv_a_proj_with_mqa).split(
                 [self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_latent))
+            q_latent = self.q_a_layernorm(q_latent)
+            q = self.q_b_proj(q_latent)
         q = q.view(B, S, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
@@ -246,6 +251,8 @@ class MLAttention(nn.Module):
         key = torch.cat([k_nope, k_pe.expand(B, S, heads, self.qk_rope_head_dim)], dim=-1).transpose(1, 2)
         value = v.transpose(1, 2)
         mask = ctx.window_mask if self.use_window else ctx.full_mask
+        if self.indexer is not None:
+            mask = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 

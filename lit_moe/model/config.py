@@ -46,8 +46,8 @@ class DeepseekV3Config:
 
     # ------------------------------------------------------------------ identity
     model_type: str = "deepseek_v3"
-    """The model family: ``deepseek_v3`` (or ``deepseek_mtp``), ``qwen3_moe`` (Qwen3-MoE) or ``glm4_moe``
-    (GLM-4-MoE); anything else is an error. A family sets the defaults of the fields its section leaves
+    """The model family: ``deepseek_v3`` (or ``deepseek_mtp``), ``deepseek_v32`` (DeepSeek-V3.2: sparse
+    attention), ``qwen3_moe`` (Qwen3-MoE) or ``glm4_moe`` (GLM-4-MoE); anything else is an error. A family sets the defaults of the fields its section leaves
     out (``lit_moe.model.families.FAMILY_DEFAULTS``, README "Model families")."""
     architectures: Any = None
     """``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Glm4MoeForCausalLM`` (a string or a
@@ -127,6 +127,28 @@ class DeepseekV3Config:
     """Which layers use the window when ``window_size`` is set. int N: every N-th layer (N-1, 2N-1, ...)
     is full attention, the others sliding-window; a list of 0/1 per decoder layer (1 = sliding window,
     0 = full; MTP layers copy the last entry unless the list covers them too). None: all layers slide."""
+
+    # ------------------------------------------------------------------ DeepSeek-V3.2 sparse attention (DSA)
+    experimental_attention_variant: Optional[str] = None
+    """``dsa``: DeepSeek-V3.2's sparse attention, MLA whose queries each attend only to the
+    ``index_topk`` keys a lightning indexer picks (``lit_moe/model/indexer.py``); needs
+    ``q_lora_rank``. The ``deepseek_v32`` family sets it; MindFormers turns it on with this key on a
+    DeepSeek-V3 model. None: dense attention."""
+    index_topk: Optional[int] = None
+    """DSA: keys each query attends to (MindFormers: ``dsa_indexer_topk``); None with ``dsa``: 2048."""
+    index_n_heads: Optional[int] = None
+    """DSA: indexer query heads (MindFormers: ``dsa_indexer_n_heads``); None with ``dsa``: 64."""
+    index_head_dim: Optional[int] = None
+    """DSA: width of the indexer's query heads and key, at least ``qk_rope_head_dim`` (its leading dims
+    carry the rotary encoding; MindFormers: ``dsa_indexer_head_dim``); None with ``dsa``: 128."""
+    dsa_indexer_loss_coeff: Optional[float] = None
+    """DSA: weight of DeepSeek's KL loss that trains the indexer towards the attention distribution.
+    Not implemented yet: only None or 0 (the indexer gets no gradient, its weights stay as loaded)."""
+    dsa_indexer_use_sparse_loss: bool = False
+    """DSA: MindFormers' training stage. True: the sparse stage (top-k attention), what lit_moe runs.
+    False (MindFormers' default): the dense warm-up stage (dense attention, every weight but the
+    indexer's frozen, the indexer trained by its KL loss), not implemented yet: with ``dsa`` it is
+    refused. The ``deepseek_v32`` family sets True."""
 
     # ------------------------------------------------------------------ grouped-query attention
     head_dim: Optional[int] = None
@@ -336,6 +358,11 @@ class DeepseekV3Config:
         if self.multi_latent_attention:
             return self.qk_rope_head_dim
         return int(self.gqa_head_dim * self.partial_rotary_factor)
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek-V3.2's indexer selects the keys of every MLA (``experimental_attention_variant: dsa``)."""
+        return self.experimental_attention_variant == "dsa"
 
     @property
     def total_layers(self) -> int:

@@ -63,6 +63,9 @@ ALIASES = {
     "apply_rope_fusion": "use_fused_rope",
     "add_qkv_bias": "attention_bias",
     "use_gmm": "moe_grouped_gemm",
+    "dsa_indexer_topk": "index_topk",
+    "dsa_indexer_n_heads": "index_n_heads",
+    "dsa_indexer_head_dim": "index_head_dim",
 }
 
 # Keys accepted without effect (Hugging Face / DeepSeek config.json bookkeeping and MindFormers
@@ -122,6 +125,10 @@ def normalise(cfg: Any) -> None:
         set_("n_group", 1)
     if cfg.n_routed_experts and not cfg.topk_group:
         set_("topk_group", cfg.n_group)
+    if cfg.sparse_attention:   # DeepSeek-V3.2's sizes where the section leaves them out
+        for name, value in (("index_topk", 2048), ("index_n_heads", 64), ("index_head_dim", 128)):
+            if getattr(cfg, name) is None:
+                set_(name, value)
     if cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):  # Hugging Face's names
         set_("hidden_act", "gelu")
         set_("gelu_approximate", "tanh")
@@ -153,6 +160,7 @@ def validate(cfg: Any) -> None:
             fail("attention_bias", "is not supported with multi-latent attention (its projections have no bias)")
     else:
         validate_gqa(cfg, fail)
+    validate_sparse_attention(cfg, fail)
     if cfg.add_bias_linear:
         fail("add_bias_linear", "is not supported: DeepSeek-V3 linear layers have no bias")
     if not cfg.gated_linear_unit:
@@ -276,6 +284,34 @@ def validate(cfg: Any) -> None:
         fail("num_nextn_predict_layers", "must be >= 0")
     if cfg.mtp_loss_scaling_factor < 0:
         fail("mtp_loss_scaling_factor", "must be >= 0")
+
+
+def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> None:
+    """The rules of DeepSeek-V3.2's sparse attention (``experimental_attention_variant: dsa``)."""
+    if cfg.experimental_attention_variant not in (None, "dsa"):
+        fail("experimental_attention_variant", "is not supported; supported: None, 'dsa' (DeepSeek-V3.2)")
+    if not cfg.sparse_attention:
+        if cfg.model_type == "deepseek_v32":
+            fail("experimental_attention_variant", "must be 'dsa' for model_type 'deepseek_v32'")
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            if getattr(cfg, name) is not None:
+                fail(name, "needs experimental_attention_variant 'dsa' (the indexer of model_type deepseek_v32)")
+        return
+    if not cfg.multi_latent_attention or not cfg.q_lora_rank:
+        fail("experimental_attention_variant", "needs multi-latent attention with q_lora_rank (the indexer "
+             "reads the normed query latent)")
+    for name in ("index_topk", "index_n_heads", "index_head_dim"):
+        if getattr(cfg, name) < 1:
+            fail(name, "must be >= 1")
+    if cfg.index_head_dim < cfg.qk_rope_head_dim:
+        fail("index_head_dim", f"must be at least qk_rope_head_dim ({cfg.qk_rope_head_dim}): its leading dims "
+             "carry the rotary encoding")
+    if cfg.dsa_indexer_loss_coeff:
+        fail("dsa_indexer_loss_coeff", "is not implemented yet: the indexer's KL loss; set it to 0 or null (the "
+             "indexer then gets no gradient and keeps its weights)")
+    if not cfg.dsa_indexer_use_sparse_loss:
+        fail("dsa_indexer_use_sparse_loss", "(MindFormers' dense warm-up stage: dense attention, only the indexer "
+             "trained) is not implemented yet; set it to true (the sparse stage: top-k attention)")
 
 
 def validate_gqa(cfg: Any, fail: Callable[[str, str], None]) -> None:

@@ -7,6 +7,7 @@ means the same). A leaf module (the config imports it).
 | ``deepseek_v3`` | MLA | sigmoid, group-limited, expert bias | shared + routed, dense prefix |
 | ``qwen3_moe`` | GQA, per-head q/k RMSNorm, full RoPE | softmax top-k (optionally renormalised) | routed only |
 | ``glm4_moe`` | GQA, partial RoPE (0.5), optional q/k norm and q/k/v bias | sigmoid, group-limited, expert bias | shared + routed, dense prefix |
+| ``deepseek_v32`` | MLA + lightning indexer (top-k keys per query) | as ``deepseek_v3`` | as ``deepseek_v3`` |
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
         "first_k_dense_replace": 1, "rms_norm_eps": 1e-5,
     },
+    # transformers' DeepseekV32Config: DeepSeek-V3 with the lightning indexer on every MLA (sparse stage)
+    "deepseek_v32": {
+        "architectures": "DeepseekV32ForCausalLM", "experimental_attention_variant": "dsa", "index_topk": 2048,
+        "index_n_heads": 64, "index_head_dim": 128, "dsa_indexer_use_sparse_loss": True,
+    },
 }
 
 # model_type -> the Hugging Face architecture of the family
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_mtp": "DeepseekV3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM"}

@@ -130,6 +130,8 @@ def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None
         "torch_dtype": str(dtype or c.torch_dtype("params_dtype")).replace("torch.", ""),
         "lit_moe": c.to_dict(),
     }
+    if c.sparse_attention:
+        d = hf_families.sparse_mla_config_dict(d, c)
     if c.position_embedding_type == "yarn":
         d["rope_scaling"] = {
             "type": "yarn", "factor": c.scaling_factor,
@@ -151,13 +153,16 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
     if hf.get("rope_interleave") is False:
         raise HFCheckpointError("config.json: rope_interleave=False is not supported (DeepSeek weights rotate "
                                 "interleaved pairs)")
-    if hf.get("model_type") not in (None, "deepseek_v3", *hf_families.FAMILIES):
+    kinds = ("deepseek_v3", hf_families.SPARSE_MLA, *hf_families.FAMILIES)
+    if hf.get("model_type") not in (None, *kinds):
         raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r}, expected one of "
-                                + ", ".join(map(repr, ("deepseek_v3", *hf_families.FAMILIES))))
+                                + ", ".join(map(repr, kinds)))
     if isinstance(hf.get("lit_moe"), dict):
         base = dict(hf["lit_moe"])
     elif hf.get("model_type") in hf_families.FAMILIES:
         base = hf_families.section_from_hf(hf)
+    elif hf.get("model_type") == hf_families.SPARSE_MLA:
+        base = hf_families.sparse_mla_section(hf)
     else:
         base = dict(hf)
     base.update(overrides)

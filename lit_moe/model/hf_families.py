@@ -124,3 +124,38 @@ def section_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
                               "[0, 1, ..., k-1] (first_k_dense_replace)")
         out["first_k_dense_replace"] = len(dense)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3.2 (transformers' DeepseekV32Config): DeepSeek-V3's config.json and tensors plus the
+# lightning indexer's sizes and weights (``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``, spelled as
+# Hugging Face spells them: lit_moe's module names are Hugging Face's)
+# ----------------------------------------------------------------------------------------------
+SPARSE_MLA = "deepseek_v32"
+
+
+def sparse_mla_config_dict(d: dict[str, Any], c: Any) -> dict[str, Any]:
+    """DeepSeek-V3's ``config.json`` ``d`` of a model with the indexer (``c.sparse_attention``) as DeepSeek-V3.2's."""
+    d.update({"architectures": [ARCHITECTURES[SPARSE_MLA]], "model_type": SPARSE_MLA, "index_topk": c.index_topk,
+              "index_n_heads": c.index_n_heads, "index_head_dim": c.index_head_dim})
+    return d
+
+
+def sparse_mla_section(hf: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V3.2 ``config.json`` (transformers' keys) as our model section (errors name the key)."""
+    from lit_moe.config import ConfigError
+
+    out = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_layer_types", "mlp_bias")}
+    kinds = set(hf.get("layer_types") or ["indexed_attention"])
+    if kinds != {"indexed_attention"}:
+        raise ConfigError(f"config.json: layer_types={hf['layer_types']!r} is not supported (every layer indexed)")
+    if hf.get("mlp_bias"):
+        raise ConfigError("config.json: mlp_bias=True is not supported (DeepSeek-V3.2's MLPs have no bias)")
+    mlp = hf.get("mlp_layer_types")
+    if mlp is not None:
+        dense = mlp.count("dense")
+        if mlp != ["dense"] * dense + ["sparse"] * (len(mlp) - dense):
+            raise ConfigError(f"config.json: mlp_layer_types={mlp!r} is not supported; only a dense prefix "
+                              "(first_k_dense_replace)")
+        out["first_k_dense_replace"] = dense
+    return out

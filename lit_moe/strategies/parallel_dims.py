@@ -171,6 +171,11 @@ class ParallelDims:
                     f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
                     "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
+        if C > 1 and getattr(model_config, "sparse_attention", False):
+            raise ParallelismError(
+                f"parallelism.context_parallel: {C} with model.experimental_attention_variant 'dsa' is not supported "
+                "yet (the indexer scores each query against every key of the sequence; its keys are not gathered "
+                "over the context-parallel ranks)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "

@@ -1,0 +1,81 @@
+"""DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention, DSA): which keys each query of the MLA
+attends to (``experimental_attention_variant: dsa``).
+
+For a query token s and a key token t the index score is
+
+    I[s, t] = sum_h  w[s, h] * ReLU(scale * q[s, h] . k[t]),    w = weights_proj(x) / sqrt(index_n_heads)
+
+with ``index_n_heads`` query heads ``q = wq_b(q_latent)`` (the MLA's normed query latent, so the indexer
+needs ``q_lora_rank``), one key ``k = LayerNorm(wk(x))`` shared by the heads, both ``index_head_dim``
+wide with the rotary encoding on their *leading* ``qk_rope_head_dim`` dims as rotate-half pairs (the MLA
+itself rotates interleaved pairs at the end of its heads), and ``scale = index_head_dim^-1/2``. Each
+query keeps the ``index_topk`` best keys among those the attention mask allows; the MLA then attends
+only to those (the mask is AND-ed with the selection). Where fewer keys are allowed than ``index_topk``
+every allowed key is kept, so a sequence no longer than ``index_topk`` is plain causal attention.
+
+Following transformers' ``DeepseekV32Indexer`` (the reference this is checked against), the scores
+are computed without autograd: the top-k choice is not differentiable, and the language-model loss
+gives the indexer no gradient. DeepSeek trains it with a KL loss towards the attention's own
+distribution (MindFormers: ``dsa_indexer_loss_coeff``), which is not implemented yet, so lit_moe
+keeps the indexer's weights as loaded (``docs/families.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_moe.ops import LayerNorm, Linear, apply_rotary_half
+
+INDEX_KEY_NORM_EPS = 1e-6   # DeepSeek-V3.2's indexer key LayerNorm (fixed there, not rms_norm_eps)
+
+
+class LightningIndexer(nn.Module):
+    """The per-layer DSA indexer: index scores and the top-k selection mask (Hugging Face's module
+    names: ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``)."""
+
+    def __init__(self, config, layer_idx: int, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.rope_dim = c.qk_rope_head_dim
+        self.use_rope = c.uses_rope(layer_idx)
+        self.use_fused_rope = c.use_fused_rope
+        self.scale = self.head_dim ** -0.5
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
+        self.wk = Linear(c.hidden_size, self.head_dim, dtype=dtype)
+        self.k_norm = LayerNorm(self.head_dim, INDEX_KEY_NORM_EPS, c.torch_dtype("layernorm_compute_dtype"), dtype=dtype)
+        self.weights_proj = Linear(c.hidden_size, self.n_heads, dtype=dtype)
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
+               sin: Optional[torch.Tensor]) -> torch.Tensor:
+        """Index scores ``[B, S, S]`` (fp32) of every query (rows) against every key (columns)."""
+        B, S, _ = x.shape
+        q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))                                        # [B, S, D]: one key per token
+        if self.use_rope:   # cos/sin [B, S, rope_dim/2]: the leading rope_dim dims turn, the rest pass
+            q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], self.use_fused_rope)
+            k = apply_rotary_half(k, cos, sin, self.use_fused_rope)
+        q, k_t = q.float(), k.float().transpose(1, 2)                          # [B, S, heads, D], [B, D, S]
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5       # [B, S, heads]
+        # one head at a time: [B, S, S] at most besides the result (all heads at once would be heads x that)
+        out = torch.zeros(B, S, S, dtype=torch.float32, device=x.device)
+        for h in range(self.n_heads):
+            out += weights[:, :, h, None] * F.relu(torch.bmm(q[:, :, h], k_t) * self.scale)
+        return out
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
+                sin: Optional[torch.Tensor], allowed: Optional[torch.Tensor]) -> torch.Tensor:
+        """``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each query's top-k keys."""
+        B, S, _ = x.shape
+        if allowed is None:
+            allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
+        scores = self.scores(x, q_latent, cos, sin).masked_fill(~allowed[:, 0], float("-inf"))
+        chosen = scores.topk(min(self.topk, S), dim=-1).indices                 # [B, S, k] key positions
+        selected = torch.zeros(B, S, S, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
+        return allowed & selected[:, None]
