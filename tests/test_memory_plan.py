@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,88 @@ def test_zero1_keeps_parameters_and_gradients_whole_and_shards_the_optimizer(tmp
     result, text = _plan(tmp_path, cfg, 2)
     assert "sharding strategy optim (ZeRO-1: optimizer state sharded" in text
     assert result["peaks"][0].grads == 4 * whole and result["peaks"][0].optimizer == 8 * half
+
+
+SELECTIONS = [   # recompute.select_module patterns (MindFormers spellings included), each on every layer
+    "self_attention", "mlp", r"mlp\.experts", r"mlp\.shared_experts", "input_layernorm|pre_mlp_layernorm",
+    r"self_attention\.core_attention", r"self_attention\.(q_b_proj|kv_b_proj)", r"mlp\.router",
+    r"self_attention\.(q_a_layernorm|kv_a_layernorm)|mlp\.experts",
+]
+
+
+def _saved_by_one_layer(cfg, layer_idx: int, batch: int, select: str) -> tuple[int, int]:
+    """(bytes of the distinct storages autograd saves in layer ``layer_idx``'s forward with
+    ``select_module: {select: all layers}`` applied, rows the grouped experts saw)."""
+    import torch
+
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.model.attention import AttentionContext
+    from lit_moe.model.moe import bucketed_group_rows
+    from lit_moe.strategies.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.init_weights(0)
+    apply_recompute(model, {"mode": "select", "select_module": {select: [f"0-{cfg.num_hidden_layers - 1}"]}}, None)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    S = cfg.seq_length
+    x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
+    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    layer = model.layers[layer_idx]
+    chosen = []
+    hook = (layer.mlp.router.register_forward_hook(lambda m, i, o: chosen.append(o[1]))
+            if hasattr(layer.mlp, "router") else None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, ctx)
+    rows = None
+    if hook is not None:
+        hook.remove()
+        counts = torch.bincount(chosen[0].flatten(), minlength=cfg.n_routed_experts)
+        rows = int(bucketed_group_rows(counts, 16).sum())   # the CPU's padded expert groups
+    return sum(seen.values()), rows
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_selective_recompute_drops_what_the_selected_modules_no_longer_keep(compute_dtype):
+    """Each ``select_module`` selection on a dense and a MoE layer: the plan's bytes (the selection resolved
+    as the run resolves it) against ``saved_tensors_hooks`` counting the layer's forward on the CPU, and
+    the drop from no recompute against the measured drop. Measured: every selection exact but those
+    checkpointing ``mlp.experts`` (0.9991: its token-count input is not modelled); tolerance 1%."""
+    from types import SimpleNamespace
+
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+    from lit_moe.strategies.memory_plan import configured_selection
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_plan import _saved_bytes_of_one_layer, _tiny_pipeline_model
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model(compute_dtype=compute_dtype))
+    B, S = 2, cfg.seq_length
+    one_rank = SimpleNamespace(tp=1, cp=1)
+    for layer_idx in (0, 1):                      # dense, MoE
+        plain, rows = _saved_bytes_of_one_layer(cfg, layer_idx, B, False)
+        rotary = per_forward_bytes(cfg, B * S)    # the angles, saved by the rotary products of this one layer
+        plain_model = rotary + layer_activation_bytes(cfg, layer_idx, B * S, B, S, core_attention="math",
+                                                      expert_rows=rows)
+        for select in SELECTIONS:
+            selection = configured_selection(cfg, one_rank, {"mode": "select", "select_module": {select: ["0-3"]}},
+                                             None)
+            checkpointed, output_recomputed = selection.get(layer_idx, ((), ()))
+            if not checkpointed:
+                continue                          # e.g. mlp.experts in the dense layer
+            measured, _ = _saved_by_one_layer(cfg, layer_idx, B, select)
+            modelled = layer_activation_bytes(cfg, layer_idx, B * S, B, S, core_attention="math", expert_rows=rows,
+                                              checkpointed=checkpointed, output_recomputed=output_recomputed)
+            modelled += 0 if "self_attention" in checkpointed else rotary
+            assert abs(modelled / measured - 1) < 0.01, (compute_dtype, layer_idx, select, modelled, measured)
+            # the drop itself (0 where a checkpointed projection keeps just the input it saved anyway)
+            assert abs((plain_model - modelled) - (plain - measured)) <= 0.1 * (plain - measured), (layer_idx, select)

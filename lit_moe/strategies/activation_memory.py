@@ -42,87 +42,232 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def layer_activation_bytes(config: Any, layer_idx: int, tokens: int, batch: int, seq: int, *,
-                           recompute: bool = False, core_attention: str = "fused",
-                           expert_rows: Optional[int] = None, weight_copies: Optional[bool] = None,
-                           heads: Optional[int] = None) -> int:
+                           recompute: bool = False, checkpointed: tuple = (), output_recomputed: tuple = (),
+                           tp: int = 1, core_attention: str = "fused", expert_rows: Optional[int] = None,
+                           weight_copies: Optional[bool] = None, heads: Optional[int] = None,
+                           fused_weights: bool = True) -> int:
     """Bytes decoder layer ``layer_idx`` saves for backward for one micro-batch of ``tokens = batch x seq``
-    tokens (this rank's share under tensor/context parallelism: pass its tokens and ``heads``).
+    tokens (this rank's share under context parallelism; under tensor parallelism ``tokens`` is the
+    whole sequence the attention and MLP blocks see after their all-gather, ``heads`` this rank's).
 
-    ``recompute``: full recompute of the layer (only its input is kept). ``expert_rows``: rows the
+    ``recompute``: full recompute of the layer (only its input is kept). ``checkpointed`` /
+    ``output_recomputed``: the paths selective recompute wraps in this layer (:func:`selected_saved_tensors`).
+    ``tp``: tensor-parallel degree; the norms and the residual stream between blocks hold ``tokens / tp``
+    (sequence parallel), every block's input is gathered to ``tokens``, its column-parallel halves hold
+    ``heads`` and ``intermediate / tp``, the routed experts ``rows / tp``. ``expert_rows``: rows the
     grouped expert GEMMs see (default ``tokens x top_k``, exact on accelerators; the CPU pads each
     expert group to a size bucket, up to 1/8 more). ``weight_copies``: the compute-dtype copies of the
     weights are saved (parameters stored in another dtype and not gathered by FSDP in the compute
-    dtype); default: ``params_dtype != compute_dtype``."""
+    dtype); default: ``params_dtype != compute_dtype``. ``fused_weights``: the q_a/kv_a and gate/up
+    GEMMs run as one over a concatenated weight, saved per forward (plain modules only: under FSDP or
+    tensor parallel each projection is called on its own, :func:`lit_moe.ops.linear.fused_linear`)."""
+    if recompute:
+        return tokens // tp * config.hidden_size * _bytes(config.torch_dtype("compute_dtype"))
+    saved = layer_saved_tensors(config, layer_idx, tokens, batch, seq, tp=tp, core_attention=core_attention,
+                                expert_rows=expert_rows, weight_copies=weight_copies, heads=heads,
+                                fused_weights=fused_weights)
+    saved = selected_saved_tensors(saved, layer_inputs(config, layer_idx, tokens, tp=tp, heads=heads),
+                                   checkpointed, output_recomputed)
+    return distinct_bytes(saved)
+
+
+def distinct_bytes(saved: list[tuple[str, str, int]]) -> int:
+    """The bytes of ``(owner, storage, bytes)`` rows, each storage counted once."""
+    storages: dict[str, int] = {}
+    for _, key, n in saved:
+        storages[key] = max(storages.get(key, 0), n)
+    return sum(storages.values())
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent + ".")
+
+
+def selected_saved_tensors(saved: list[tuple[str, str, int]], inputs: dict[str, list[tuple[str, int]]],
+                           checkpointed: tuple = (), output_recomputed: tuple = ()) -> list[tuple[str, str, int]]:
+    """What a layer keeps under selective recompute (``recompute.select_module`` /
+    ``recompute_comm.select_module``, as :func:`lit_moe.strategies.recompute.apply.layer_selection`
+    resolves them): a checkpointed module's own tensors are dropped and its inputs kept instead
+    (non-reentrant checkpointing saves them); an output-recomputed step's output is dropped wherever
+    it was saved and the step's input kept. ``inputs``: path -> ``[(storage, bytes)]``
+    (:func:`layer_inputs`); a path it does not know keeps everything (counted as kept)."""
+    kept = list(saved)
+    for path in checkpointed:
+        if path not in inputs:
+            continue
+        kept = [row for row in kept if not _under(row[0], path)]
+        kept += [(path, key, n) for key, n in inputs[path]]
+    for path in output_recomputed:
+        if path not in inputs or path not in _STEP_OUTPUTS:
+            continue
+        output = _STEP_OUTPUTS[path]
+        kept = [row for row in kept if row[1] != output]
+        kept += [(path, key, n) for key, n in inputs[path]]
+    return kept
+
+
+# the storage each communication step returns (sequence parallel's all-gathers): output recompute drops it
+_STEP_OUTPUTS = {"self_attention.all_gather": "ln1.gathered", "mlp.all_gather": "ln2.gathered",
+                 "mlp.router.all_gather": "ln2.gathered"}
+
+
+def layer_inputs(config: Any, layer_idx: int, tokens: int, *, tp: int = 1,
+                 heads: Optional[int] = None) -> dict[str, list[tuple[str, int]]]:
+    """The inputs (storage, bytes) a checkpointed module keeps (or an output-recomputed step reruns
+    from), by path inside the layer, in the storage names of :func:`layer_saved_tensors`. Sequence
+    parallel's gathers run inside the checkpointed block (their hooks move into the recomputed
+    region), so a block keeps its ``tokens / tp`` input."""
     c = config
-    T, H = tokens, c.hidden_size
+    T, H, Tl = tokens, c.hidden_size, tokens // tp
+    a = _bytes(c.torch_dtype("compute_dtype"))
+    n = heads if heads is not None else c.num_attention_heads
+    dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    qr, kr = c.q_lora_rank, c.kv_lora_rank
+    latent = ("qkv_a", T * (qr + kr + dr) * a) if qr is not None else ("kv_a", T * (kr + dr) * a)
+    inputs = {
+        "input_layernorm": [("x", Tl * H * a)], "self_attention": [("ln1", Tl * H * a)],
+        "self_attention.all_gather": [("ln1", Tl * H * a)],
+        "self_attention.q_a_layernorm": [latent], "self_attention.kv_a_layernorm": [latent],
+        "self_attention.q_b_proj": [("q_lat", T * (qr or 0) * a)], "self_attention.kv_b_proj": [("kv_lat", T * kr * a)],
+        # query and key in the compute dtype (the kernel's own copies are in the rotary dtype), the value
+        # a view of kv_b_proj's whole output
+        "self_attention.core_attention": [("query.input", T * n * (dn + dr) * a), ("key.input", T * n * (dn + dr) * a),
+                                          ("kv", T * n * (dn + dv) * a)],
+        "self_attention.o_proj": [("attn_out", T * n * dv * a)],
+        "pre_mlp_layernorm": [("h", Tl * H * a)], "mlp": [("ln2", Tl * H * a)],
+        "mlp.all_gather": [("ln2", Tl * H * a)], "mlp.router.all_gather": [("ln2", Tl * H * a)],
+    }
+    if c.is_moe_layer(layer_idx):
+        K = c.num_experts_per_tok
+        inputs.update({"mlp.router": [(_gathered("ln2", tp), T * H * a)],
+                       "mlp.shared_experts": [(_gathered("ln2", tp), T * H * a)],
+                       "mlp.experts": [("perm_x", T * K * H * a), ("perm_w", T * K * a)]})
+    else:
+        inputs["mlp.down_proj"] = [("mlp.product", T * (c.intermediate_size // tp) * a)]
+    return inputs
+
+
+def _gathered(key: str, tp: int) -> str:
+    # under sequence parallel a block's input is a new, gathered tensor; without it the norm output itself
+    return f"{key}.gathered" if tp > 1 else key
+
+
+def _rotary_bytes(c: Any, layer_idx: int) -> int:
+    # q and k in the rotary dtype (the rotated half is upcast, and the concatenation with it)
+    if not c.uses_rope(layer_idx):
+        return _bytes(c.torch_dtype("compute_dtype"))
+    return _bytes(torch.promote_types(c.torch_dtype("compute_dtype"), c.torch_dtype("rotary_dtype")))
+
+
+def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, seq: int, *, tp: int = 1,
+                        core_attention: str = "fused", expert_rows: Optional[int] = None,
+                        weight_copies: Optional[bool] = None, heads: Optional[int] = None,
+                        fused_weights: bool = True) -> list[tuple[str, str, int]]:
+    """Every tensor decoder layer ``layer_idx`` saves for backward, as ``(owner, storage, bytes)``: the
+    module path whose forward runs the op that saves it, a name for the storage (tensors saved by
+    several ops, or views of one storage, share it) and its bytes. Arguments as
+    :func:`layer_activation_bytes`."""
+    c = config
+    T, H, Tl = tokens, c.hidden_size, tokens // tp
     a = _bytes(c.torch_dtype("compute_dtype"))
     f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
-    if recompute:
-        return T * H * a
     if weight_copies is None:
         weight_copies = c.torch_dtype("params_dtype") != c.torch_dtype("compute_dtype")
     n = heads if heads is not None else c.num_attention_heads
     dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     qr, kr = c.q_lora_rank, c.kv_lora_rank
+    rows: list[tuple[str, str, int]] = []
 
-    def norm(d: int, input_saved_elsewhere: bool = False) -> int:
-        # x in the norm dtype (x itself, or its upcast copy), rsqrt, x*rsqrt, and the output
-        upcast = 0 if (input_saved_elsewhere and a == f) else T * d * f
-        return upcast + T * f + T * d * f + T * d * a
+    def add(owner: str, key: str, nbytes: int) -> None:
+        rows.append((owner, key, nbytes))
 
-    total = norm(H)                                      # input_layernorm
-    # attention: projections
-    if qr is not None:
-        total += (qr + kr + dr) * H * a                  # concatenated q_a/kv_a weight (fused GEMM)
+    def norm(owner: str, d: int, t: int, in_key: str, in_bytes: int) -> None:
+        # x in the norm dtype (x itself, or its upcast copy), rsqrt, x*rsqrt; the output is its consumer's
         if a == f:
-            total += T * (qr + kr + dr) * a              # its output, saved by the latent norms
-        total += norm(qr, True) + norm(kr, True)
+            add(owner, in_key, in_bytes)
+        else:
+            add(owner, f"{owner}.upcast", t * d * f)
+        add(owner, f"{owner}.rsqrt", t * f)
+        add(owner, f"{owner}.normed", t * d * f)
+
+    norm("input_layernorm", H, Tl, "x", Tl * H * a)
+    add("self_attention", _gathered("ln1", tp), T * H * a)     # the first projections' (gathered) input
+    att = "self_attention"
+    if qr is not None:
+        if fused_weights:
+            add(att, "w_qkv_a", (qr + kr + dr) * H * a)           # concatenated q_a/kv_a weight (fused GEMM)
+            latent_q = latent_kv = ("qkv_a", T * (qr + kr + dr) * a)
+        else:                                                    # two GEMMs, two outputs
+            latent_q, latent_kv = ("q_a", T * qr * a), ("kv_a", T * (kr + dr) * a)
+        norm(f"{att}.q_a_layernorm", qr, T, *latent_q)
+        add(f"{att}.q_b_proj", "q_lat", T * qr * a)
         if weight_copies:
-            total += qr * n * (dn + dr) * a
+            add(f"{att}.q_b_proj", "w_q_b", qr * n * (dn + dr) * a)
+        norm(f"{att}.kv_a_layernorm", kr, T, *latent_kv)
     else:
-        total += 0 if not weight_copies else H * n * (dn + dr) * a
-        total += norm(kr, True) + (T * (kr + dr) * a if a == f else 0) + (kr + dr) * H * a * weight_copies
+        if weight_copies:
+            add(f"{att}.q_proj", "w_q", H * n * (dn + dr) * a)
+            add(f"{att}.kv_a_proj_with_mqa", "w_kv_a", (kr + dr) * H * a)
+        norm(f"{att}.kv_a_layernorm", kr, T, "kv_a", T * (kr + dr) * a)
+    add(f"{att}.kv_b_proj", "kv_lat", T * kr * a)
     if weight_copies:
-        total += kr * n * (dn + dv) * a + n * dv * H * a   # kv_b, o_proj
-    # q and k in the rotary dtype (the rotated half is upcast, and the concatenation with it)
-    use_rope = c.uses_rope(layer_idx)
-    qb = _bytes(torch.promote_types(c.torch_dtype("compute_dtype"), c.torch_dtype("rotary_dtype"))) if use_rope else a
-    total += 2 * T * n * (dn + dr) * qb                  # query, key (concatenations)
+        add(f"{att}.kv_b_proj", "w_kv_b", kr * n * (dn + dv) * a)
+        add(f"{att}.o_proj", "w_o", n * dv * H * a)
+    core = f"{att}.core_attention"
+    qb = _rotary_bytes(c, layer_idx)
+    add(core, "query", T * n * (dn + dr) * qb)                 # query, key (concatenations)
+    add(core, "key", T * n * (dn + dr) * qb)
     if core_attention == "math" and batch == 1 and qb == a:
         # one sequence: the math path's [B*heads, S, d_v] value is a view of the whole kv_b output
-        total += T * n * (dn + dv) * a
+        add(core, "kv", T * n * (dn + dv) * a)
     else:
-        total += T * n * dv * qb                         # value, made contiguous in the query's dtype
+        add(core, "value", T * n * dv * qb)                     # value, made contiguous in the query's dtype
     if core_attention == "math":
-        total += batch * n * seq * seq * 4               # softmax probabilities (fp32)
+        add(core, "probs", batch * n * seq * seq * 4)           # softmax probabilities (fp32)
     elif core_attention == "fused":
-        total += T * n * dv * qb + batch * n * seq * 4   # output, log-sum-exp
+        add(core, "out", T * n * dv * qb)                       # output, log-sum-exp
+        add(core, "lse", batch * n * seq * 4)
     else:
         raise ValueError(f"core_attention: expected 'fused' or 'math', got {core_attention!r}")
-    total += T * n * dv * a                              # o_proj input
+    add(f"{att}.o_proj", "attn_out", T * n * dv * a)
     # MLP half
-    total += norm(H)                                     # pre_mlp_layernorm
+    norm("pre_mlp_layernorm", H, Tl, "h", Tl * H * a)
+    add("mlp", _gathered("ln2", tp), T * H * a)               # the router's / MLP's (gathered) input
     if c.is_moe_layer(layer_idx):
         E, K, I = c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        R = expert_rows if expert_rows is not None else T * K
+        R = (expert_rows if expert_rows is not None else T * K) // tp    # tensor parallel splits the rows
         rb = _bytes(c.torch_dtype("router_dense_type"))
-        total += (T * H * rb if rb != a else 0) + T * E * rb         # router input (cast), scores
-        total += T * K * INDEX_BYTES + T * K * rb + T * rb           # gather index, top-k weights, their sum
-        total += 3 * T * K * INDEX_BYTES                             # permutation, its inverse, assignment
-        total += T * K * H * a + T * K * a + E * 4                   # permuted tokens and weights, group offsets
-        total += R * H * a + R * 2 * I * a + 3 * R * I * a + R * a   # grouped rows: in, gate|up, act, x w, weights
+        if rb != a:
+            add("mlp.router", "router_in", T * H * rb)         # router input (cast)
+        for key, nbytes in (("scores", T * E * rb), ("topk_index", T * K * INDEX_BYTES),
+                            ("topk_weights", T * K * rb), ("topk_sum", T * rb)):
+            add("mlp.router", key, nbytes)
+        add("mlp", "permutation", T * K * INDEX_BYTES)          # permutation, its inverse
+        add("mlp", "inverse", T * K * INDEX_BYTES)
+        ex = "mlp.experts"
+        for key, nbytes in (("assignment", T * K * INDEX_BYTES), ("perm_x", T * K * H * a), ("perm_w", T * K * a),
+                            ("offsets", E * 4), ("rows_in", R * H * a), ("gate_up", R * 2 * I * a),
+                            ("act_in", R * I * a), ("act", R * I * a), ("act_w", R * I * a), ("row_w", R * a)):
+            add(ex, key, nbytes)                                # permuted tokens, grouped rows
         if weight_copies:
-            total += E * H * 2 * I * a + E * I * H * a
+            add(ex, "w_experts", E * H * 2 * I * a + E * I * H * a)
         if c.n_shared_experts > 0:
-            total += _mlp(c.shared_expert_intermediate_size, T, H, a, weight_copies)
+            _mlp(add, "mlp.shared_experts", c.shared_expert_intermediate_size // tp, T, H, a, weight_copies,
+                 fused_weights)
     else:
-        total += _mlp(c.intermediate_size, T, H, a, weight_copies)
-    return total
+        _mlp(add, "mlp", c.intermediate_size // tp, T, H, a, weight_copies, fused_weights)
+    return rows
 
 
-def _mlp(F: int, T: int, H: int, a: int, weight_copies: bool) -> int:
+def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bool, fused_weights: bool) -> None:
     # concatenated gate/up weight, gate|up output, activation, activation x up (down's input)
-    return 2 * F * H * a + T * 2 * F * a + 2 * T * F * a + (F * H * a if weight_copies else 0)
+    if fused_weights:
+        add(owner, f"{owner}.w_gate_up", 2 * F * H * a)
+    add(owner, f"{owner}.gate_up", T * 2 * F * a)
+    add(owner, f"{owner}.act", T * F * a)
+    add(f"{owner}.down_proj", f"{owner}.product", T * F * a)
+    if weight_copies:
+        add(f"{owner}.down_proj", f"{owner}.w_down", F * H * a)
 
 
 def per_forward_bytes(config: Any, tokens: int) -> int:
@@ -132,14 +277,20 @@ def per_forward_bytes(config: Any, tokens: int) -> int:
     return 2 * tokens * (config.qk_rope_head_dim // 2) * _bytes(config.torch_dtype("rotary_dtype"))
 
 
-def head_bytes(config: Any, tokens: int) -> int:
-    """The final norm and the fused output-layer loss (``ops/cross_entropy.py``): it keeps the logits'
-    gradient ``[T, V]`` (and its input) when that is smaller than the two input gradients, else those."""
+def head_bytes(config: Any, tokens: int, tp: int = 1) -> int:
+    """The final norm and the output-layer loss. One tensor-parallel rank (``tp == 1``): the fused loss
+    (``ops/cross_entropy.py``) keeps the logits' gradient ``[T, V]`` (and its input) when that is
+    smaller than the two input gradients, else those. Under tensor parallel: the norm on the sequence
+    shard, the gathered head input, and the vocabulary-parallel loss's fp32 softmax ``[T, V / tp]``
+    with its label index, in-range flags and the loss mask (:func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`)."""
     c = config
     T, H, V = tokens, c.hidden_size, c.vocab_size
     a = _bytes(c.torch_dtype("compute_dtype"))
     f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
-    norm = 2 * T * H * f + T * f + T * H * a            # its output is the head's input
+    Tl = T // tp
+    norm = 2 * Tl * H * f + Tl * f + T * H * a          # its (gathered) output is the head's input
+    if tp > 1:
+        return norm + T * (V // tp) * 4 + T * INDEX_BYTES + T + T * 4
     return norm + (T * V * a if T * V <= H * (T + V) else T * H * a + V * H * a)
 
 
@@ -194,25 +345,36 @@ def mtp_weight_grad_bytes(config: Any, tokens: int) -> int:
     return T * 2 * H * a + T * H * a + T * H * f + T * H * f + head_weight_grad_bytes(config, tokens)
 
 
+def _layer_recompute(i: int, recompute_layers: frozenset, selection: Optional[dict]) -> dict[str, Any]:
+    """``layer_activation_bytes``'s recompute arguments of layer ``i``: whole, or the paths selective
+    recompute wraps (``selection``: layer -> (checkpointed, output-recomputed) paths)."""
+    checkpointed, output_recomputed = (selection or {}).get(i, ((), ()))
+    return {"recompute": i in recompute_layers, "checkpointed": checkpointed, "output_recomputed": output_recomputed}
+
+
 def stage_activation_bytes(config: Any, layers: range, tokens: int, batch: int, seq: int, *,
-                           recompute_layers: frozenset = frozenset(), **kwargs) -> int:
+                           recompute_layers: frozenset = frozenset(), selection: Optional[dict] = None,
+                           **kwargs) -> int:
     """One micro-batch's saved bytes of a stage holding decoder ``layers`` (+ the rotary angles)."""
     total = per_forward_bytes(config, tokens) if len(layers) else 0
     for i in layers:
-        total += layer_activation_bytes(config, i, tokens, batch, seq, recompute=i in recompute_layers, **kwargs)
+        total += layer_activation_bytes(config, i, tokens, batch, seq, **_layer_recompute(i, recompute_layers, selection),
+                                        **kwargs)
     return total
 
 
 def last_stage_extra_bytes(config: Any, tokens: int, batch: int, seq: int, *,
-                           recompute_layers: frozenset = frozenset(), **kwargs) -> int:
+                           recompute_layers: frozenset = frozenset(), selection: Optional[dict] = None,
+                           **kwargs) -> int:
     """What the last stage saves besides its decoder layers: the final norm and loss head, and per MTP
     depth its decoder block and its own norms and head."""
-    total = head_bytes(config, tokens)
+    tp = kwargs.get("tp", 1)
+    total = head_bytes(config, tokens, tp)
     L = config.num_hidden_layers
     for j in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
-        total += layer_activation_bytes(config, L + j, tokens, batch, seq, recompute=(L + j) in recompute_layers,
-                                        **kwargs)
-        total += head_bytes(config, tokens)
+        total += layer_activation_bytes(config, L + j, tokens, batch, seq,
+                                        **_layer_recompute(L + j, recompute_layers, selection), **kwargs)
+        total += head_bytes(config, tokens, tp)
     return total
 
 

@@ -108,31 +108,42 @@ def most_loaded(rows: list[RankPeak]) -> RankPeak:
 
 
 def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumulation: int, local_batch_size: int,
-                        seq_length: int, recompute_layers: frozenset, core_attention: str = "fused") -> list[int]:
+                        seq_length: int, recompute_layers: frozenset, core_attention: str = "fused",
+                        selection: Optional[dict] = None) -> list[int]:
     """The activations each pipeline rank keeps at its schedule's peak (one entry without pipelines):
-    ``local_batch_size`` sequences of ``seq_length / cp`` tokens, ``heads / tp`` attention heads (TP's
-    sequence split of the norms and MLPs is not modelled: an over-estimate under TP). ``core_attention``:
-    ``fused`` (GPU/NPU kernels) or ``math`` (torch's CPU path)."""
+    ``local_batch_size`` sequences of ``seq_length / cp`` tokens, ``heads / tp`` attention heads, the
+    norms and residual stream split over the tensor-parallel ranks (sequence parallel), the
+    ``selection`` of selective recompute (:func:`configured_selection`). ``core_attention``: ``fused``
+    (GPU/NPU kernels) or ``math`` (torch's CPU path)."""
     from lit_moe.strategies.activation_memory import model_activation_bytes, pipeline_activation_plan
 
     seq = seq_length // dims.cp
-    kwargs = dict(heads=model_config.num_attention_heads // dims.tp, core_attention=core_attention,
-                  weight_copies=False if dims.world_size // dims.pp > 1 else None)
-    transient = recomputed_layer_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
-                                            recompute_layers, **kwargs)
+    kwargs = activation_kwargs(model_config, dims, core_attention)
+    tokens = local_batch_size * seq
+    transient = max(recomputed_layer_bytes(model_config, tokens, local_batch_size, seq, recompute_layers, **kwargs),
+                    recomputed_module_bytes(model_config, tokens, local_batch_size, seq, selection or {}, **kwargs))
     if core_attention == "math":
         # torch's math path holds one layer's fp32 S x S scores next to its probabilities in the forward,
         # and their gradient next to them in the backward: a transient the fused kernels do not have
         transient += 2 * local_batch_size * kwargs["heads"] * seq * seq * 4
     if dims.pp == 1:
-        return [transient + model_activation_bytes(model_config, local_batch_size * seq, local_batch_size, seq,
-                                                        recompute_layers=recompute_layers, **kwargs)]
+        return [transient + model_activation_bytes(model_config, tokens, local_batch_size, seq,
+                                                   recompute_layers=recompute_layers, selection=selection, **kwargs)]
     from lit_moe.strategies.pipeline import PipelineLayout
 
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq,
-                                    recompute_layers=recompute_layers, **kwargs)
+                                    recompute_layers=recompute_layers, selection=selection, **kwargs)
     return [transient + row["bytes"] for row in rows]
+
+
+def activation_kwargs(model_config: Any, dims: Any, core_attention: str = "fused") -> dict[str, Any]:
+    """The layout's arguments of :func:`~lit_moe.strategies.activation_memory.layer_activation_bytes`:
+    this rank's heads, the tensor-parallel degree (sequence parallel), and whether FSDP wraps the
+    weights (then they are gathered in the compute dtype and each projection is its own GEMM)."""
+    fsdp = dims.world_size // dims.pp > 1
+    return dict(heads=model_config.num_attention_heads // dims.tp, tp=dims.tp, core_attention=core_attention,
+                weight_copies=False if fsdp else None, fused_weights=not fsdp)
 
 
 def recomputed_layer_bytes(model_config: Any, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
@@ -144,6 +155,20 @@ def recomputed_layer_bytes(model_config: Any, tokens: int, batch: int, seq: int,
     return max((layer_activation_bytes(model_config, i, tokens, batch, seq, **kwargs)
                 - layer_activation_bytes(model_config, i, tokens, batch, seq, recompute=True, **kwargs)
                 for i in recompute_layers), default=0)
+
+
+def recomputed_module_bytes(model_config: Any, tokens: int, batch: int, seq: int, selection: dict,
+                            **kwargs: Any) -> int:
+    """Likewise for selective recompute: a checkpointed module's backward saves its tensors again for a
+    moment, the largest such module's."""
+    from lit_moe.strategies.activation_memory import layer_activation_bytes
+
+    def kept(i: int, checkpointed: tuple, output_recomputed: tuple) -> int:
+        return layer_activation_bytes(model_config, i, tokens, batch, seq, checkpointed=checkpointed,
+                                      output_recomputed=output_recomputed, **kwargs)
+
+    return max((kept(i, tuple(q for q in ck if q != p), out) - kept(i, ck, out)
+                for i, (ck, out) in selection.items() for p in ck), default=0)
 
 
 def fits_line(need: RankPeak, have: int, what: str, alternatives: list[tuple[str, RankPeak]]) -> str:
@@ -168,22 +193,28 @@ def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recomp
     from lit_moe.optim import low_precision_moments, validate_optimizer_section
 
     configured = configured_full_layers(model_config, recompute, recompute_comm)
+    selection = configured_selection(model_config, dims, recompute, recompute_comm)
     every_layer = frozenset(range(model_config.total_layers))
     args = (model_config, dims, parallelism, accumulation, local_batch_size, seq_length)
     buffers = mem.get("fsdp_buffers", 0)
-    peaks = rank_peaks(mem, activations_by_rank(*args, configured), parallelism, buffers)
+    activations = activations_by_rank(*args, configured, selection=selection)
+    peaks = rank_peaks(mem, activations, parallelism, buffers)
     full = (peaks if configured == every_layer
             else rank_peaks(mem, activations_by_rank(*args, every_layer), parallelism, buffers))
     settings = validate_optimizer_section(optimizer_section or {"type": "AdamW"})
     can_halve = settings.type == "AdamW" and not low_precision_moments(settings)
-    bf16 = rank_peaks(mem, activations_by_rank(*args, configured), parallelism, buffers, 0.5) if can_halve else None
+    bf16 = rank_peaks(mem, activations, parallelism, buffers, 0.5) if can_halve else None
     both = rank_peaks(mem, activations_by_rank(*args, every_layer), parallelism, buffers, 0.5) if can_halve else None
 
-    select = getattr(recompute, "mode", None) in ("select", "selective")
     recompute_text = (f"full recompute of layers {_ranges(configured)}" if configured else "no full recompute")
+    if selection:
+        recompute_text += f"; selective recompute in layers {_ranges(frozenset(selection))}"
+    split = f", sequence split over tp {dims.tp} between blocks" if dims.tp > 1 else ""
     p = print
-    p(f"peak memory per rank ({local_batch_size} x {seq_length // dims.cp} tokens per micro-batch, {recompute_text}"
-      + ("; select_module recompute not modelled, counted as kept" if select else "") + ")", file=out)
+    p(f"peak memory per rank ({local_batch_size} x {seq_length // dims.cp} tokens per micro-batch{split}, "
+      f"{recompute_text})", file=out)
+    for line in _selection_lines(selection):
+        p(f"  {line}", file=out)
     p(f"  {'':17s}{'params':>11s}{'grads':>11s}{'optimizer':>11s}{'activations':>13s}{'buffers':>10s}"
       f"{'total':>11s}", file=out)
     for r in peaks:
@@ -211,7 +242,8 @@ def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recomp
         have, what = parse_device_memory(device_memory)
         line = fits_line(top, have, what, alternatives)
         p(line, file=out)
-    return {"peaks": peaks, "full_recompute": full, "bf16_moments": bf16, "fits": line, "full_layers": configured}
+    return {"peaks": peaks, "full_recompute": full, "bf16_moments": bf16, "fits": line, "full_layers": configured,
+            "selection": selection}
 
 
 def configured_full_layers(model_config: Any, recompute: Any, recompute_comm: Any) -> frozenset:
@@ -225,6 +257,66 @@ def configured_full_layers(model_config: Any, recompute: Any, recompute_comm: An
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return frozenset(validate_recompute(recompute, recompute_comm, model_config.total_layers).full_layers)
+
+
+def configured_selection(model_config: Any, dims: Any, recompute: Any, recompute_comm: Any) -> dict:
+    """``{layer: (checkpointed paths, output-recomputed paths)}`` of selective recompute
+    (``recompute.select_module``, ``recompute_comm.select_module``), resolved as the run resolves them
+    (:func:`lit_moe.strategies.recompute.apply.layer_selection`) on the model's layers built on the meta
+    device, with the communication steps this layout gives them (sequence parallel's gathers under
+    tensor parallel, context parallel's exchanges); layers recomputed whole are left out."""
+    if recompute is None and recompute_comm is None:
+        return {}
+    import warnings
+
+    import torch
+
+    from lit_moe.model import DeepseekV3ForCausalLM
+    from lit_moe.strategies.recompute import addressable_paths, validate_recompute
+    from lit_moe.strategies.recompute.apply import layer_selection
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = validate_recompute(recompute, recompute_comm, model_config.total_layers)
+    if not (plan.select or plan.comm):
+        return {}
+    with torch.device("meta"):
+        blocks = list(DeepseekV3ForCausalLM(model_config).blocks())
+    out = {}
+    for i, block in enumerate(blocks):
+        if i in plan.full_layers:
+            continue
+        paths = {**addressable_paths(block), **_communication_steps(block, dims)}
+        paths = dict(sorted(paths.items(), key=lambda kv: (kv[0].count("."), kv[0])))
+        checkpointed, output_recomputed = layer_selection(plan, i, paths, {}, {})
+        if checkpointed or output_recomputed:
+            out[i] = (tuple(checkpointed), tuple(output_recomputed))
+    return out
+
+
+def _selection_lines(selection: dict) -> list[str]:
+    """One line per distinct selection: ``layers 3-60: checkpointed ...; output recomputed ...``."""
+    by_choice: dict[tuple, list[int]] = {}
+    for i, choice in sorted(selection.items()):
+        by_choice.setdefault(choice, []).append(i)
+    lines = []
+    for (checkpointed, output_recomputed), layers in by_choice.items():
+        parts = [f"checkpointed {', '.join(checkpointed)}"] if checkpointed else []
+        parts += [f"output recomputed {', '.join(output_recomputed)}"] if output_recomputed else []
+        lines.append(f"layers {_ranges(frozenset(layers))}: " + "; ".join(parts))
+    return lines
+
+
+def _communication_steps(block: Any, dims: Any) -> dict[str, tuple[None, str]]:
+    """The callable attributes the parallel steps add to a layer (``docs/recompute.md``'s table), which
+    a layer built without a process group lacks."""
+    steps = []
+    if dims.tp > 1:
+        steps += ["self_attention.all_gather", "self_attention.reduce_scatter", "mlp.reduce_scatter"]
+        steps += ["mlp.router.all_gather"] if hasattr(block.mlp, "router") else ["mlp.all_gather"]
+    if dims.cp > 1:
+        steps += ["self_attention.core_attention.all_gather", "self_attention.core_attention.all_to_all"]
+    return {p: (None, p.rsplit(".", 1)[1]) for p in steps}
 
 
 def _ranges(layers: frozenset) -> str:

@@ -304,18 +304,17 @@ def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation
                          core_attention: str = "fused") -> dict[str, Any]:
     """Per pipeline rank, the bytes autograd keeps for backward at the schedule's peak
     (:mod:`lit_moe.strategies.activation_memory`): one micro-batch of ``local_batch_size`` sequences,
-    ``seq_length / cp`` tokens each and ``heads / tp`` attention heads on a rank. Tensor parallelism's
-    sequence split of the norms and MLPs between attention blocks is not modelled (an over-estimate
-    there). Fully recomputed layers (``recompute.mode: full``) keep only their input."""
+    ``seq_length / cp`` tokens each, ``heads / tp`` attention heads and the sequence split of tensor
+    parallel on a rank. Fully recomputed layers keep only their input, selectively recomputed modules
+    their inputs (:func:`lit_moe.strategies.memory_plan.configured_selection`)."""
     from lit_moe.strategies.activation_memory import pipeline_activation_plan
-    from lit_moe.strategies.memory_plan import configured_full_layers
+    from lit_moe.strategies.memory_plan import activation_kwargs, configured_full_layers, configured_selection
 
     full = configured_full_layers(model_config, recompute, recompute_comm)
-    seq = seq_length // dims.cp
-    rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq, recompute_layers=full,
-                                    core_attention=core_attention,
-                                    heads=model_config.num_attention_heads // dims.tp,
-                                    weight_copies=False if dims.world_size // dims.pp > 1 else None)
+    selection = configured_selection(model_config, dims, recompute, recompute_comm)
+    rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq_length // dims.cp,
+                                    recompute_layers=full, selection=selection,
+                                    **activation_kwargs(model_config, dims, core_attention))
     return {"ranks": rows, "recompute_layers": full}
 
 

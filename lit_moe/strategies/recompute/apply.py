@@ -13,7 +13,7 @@ from torch import nn
 from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
 from lit_moe.model.names import no_match_error
 from lit_moe.strategies.recompute.paths import _drop_children, _match, _under, addressable_paths
-from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputeWarning, validate_recompute
+from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputePlan, RecomputeWarning, validate_recompute
 from lit_moe.strategies.recompute.hooks import _CheckpointedForward, _ModuleCall, _draws_random_numbers
 from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _ScopedForward
 
@@ -37,6 +37,22 @@ def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list, wrapper: Call
     fn = getattr(owner, attr)
     undo.append((owner, attr, fn))
     setattr(owner, attr, wrapper(fn, path))
+
+
+def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_select: dict, matched_comm: dict
+                    ) -> tuple[list[str], list[str]]:
+    """``(checkpointed, output_recomputed)`` paths of a layer that is not recomputed whole: the outermost
+    modules ``recompute.select_module`` selects, and the function attributes it selects plus the
+    communication steps of ``recompute_comm`` not already inside a checkpointed region. ``paths``:
+    :func:`addressable_paths` of the layer; ``matched_*`` record which patterns hit (``lit_moe plan``
+    resolves the same selection for its memory model)."""
+    order = list(paths)
+    selected = _drop_children(_match(plan.select, layer_id, order, matched_select), order)
+    checkpointed = [p for p in selected if paths[p][1] is None]
+    # communication steps already inside a recomputed region are recomputed with it
+    comm = [p for p in _drop_children(_match(plan.comm, layer_id, order, matched_comm), order)
+            if p not in selected and not _under(p, checkpointed)]
+    return checkpointed, [p for p in selected if paths[p][1] is not None] + comm
 
 
 def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
@@ -90,13 +106,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
             summary.append(f"{layer_id}: whole layer")
             continue
 
-        selected = _drop_children(_match(plan.select, layer_id, order, matched_select), order)
-        checkpointed = [p for p in selected if paths[p][1] is None]
-        # communication steps already inside a recomputed region are recomputed with it
-        comm = [p for p in _drop_children(_match(plan.comm, layer_id, order, matched_comm), order)
-                if p not in selected and not _under(p, checkpointed)]
-
-        output_recomputed = [p for p in selected if paths[p][1] is not None] + comm
+        checkpointed, output_recomputed = layer_selection(plan, layer_id, paths, matched_select, matched_comm)
         for p in checkpointed:
             _wrap_forward(paths[p][0], make_checkpointed, p, undo)
         for p in output_recomputed:
