@@ -22,8 +22,8 @@ naming the key): every rank builds the model on the meta device, parallelizes it
 training's own tensor- and expert-parallel steps (no FSDP: the dense weights are whole on every rank
 that is not a tensor-parallel peer), loads its pieces of the checkpoint and generates the same
 prompts with the same seeded sampling; rank 0 prints. Tensor parallel keeps the whole sequence on
-every rank (:func:`whole_sequence_on_every_rank`): each rank caches the (replicated) latent and
-expands it into its own heads.
+every rank (:func:`parallelize_for_generation`: plain tensor parallel, no sequence split): each rank
+caches the (replicated) latent and expands it into its own heads.
 """
 
 from __future__ import annotations
@@ -148,37 +148,15 @@ def parallel_layout(data: dict, config, world_size: int):
     return dims, dispatcher
 
 
-def _whole(x):
-    return x
-
-
-def whole_sequence_on_every_rank(model, tp_group) -> None:
-    """Turn the sequence-parallel layout of :func:`lit_moe.strategies.tensor_parallel.apply_tensor_parallel`
-    into plain tensor parallel for decoding (one new token cannot be split along the sequence): the
-    blocks' entry gathers (``all_gather``, the MoE router's too) pass their input through, their exit
-    reduce-scatters (``reduce_scatter``: attention, MLP, MoE, embedding) all-reduce, and the head's
-    vocabulary columns are gathered (the training loss reads them vocabulary-parallel)."""
-    from lit_moe.strategies import comm
-    from lit_moe.strategies.hooks import transform_output
-
-    for module in model.modules():
-        # instance attributes put there by the tensor-parallel steps for exactly such swaps (recompute_comm)
-        if "all_gather" in vars(module):
-            module.all_gather = _whole
-        if "reduce_scatter" in vars(module):
-            module.reduce_scatter = functools.partial(comm.all_reduce, group=tp_group)
-    if not hasattr(model.lm_head, "gather_vocab"):
-        transform_output(model.lm_head, functools.partial(comm.all_gather, group=tp_group, dim=-1))
-
-
 def parallelize_for_generation(model, dims, dispatcher: str) -> None:
-    """The training's tensor- and expert-parallel steps on the meta model, then plain tensor parallel."""
+    """The training's tensor- and expert-parallel steps on the meta model, as plain tensor parallel:
+    one new token cannot be split along the sequence (``sequence_parallel=False``: the blocks' entry
+    gathers pass their input through, their exit reductions all-reduce, the head's vocabulary columns
+    are gathered)."""
     from lit_moe.strategies.parallelize import apply_ep, apply_tp
 
-    apply_tp(model, dims)
-    apply_ep(model, dims, dispatcher)
-    if dims.tp > 1:
-        whole_sequence_on_every_rank(model, dims.mesh("tp").get_group())
+    apply_tp(model, dims, sequence_parallel=False)
+    apply_ep(model, dims, dispatcher, sequence_parallel=False)
 
 
 def start_processes() -> str:

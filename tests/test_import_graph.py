@@ -138,3 +138,90 @@ def test_the_step_contract_is_a_leaf():
     graph = import_graph()
     for leaf in ("lit_moe.step", "lit_moe.distributed", "lit_moe.model.names", "lit_moe.model.loss"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
+
+
+# ----------------------------------------------------------------------------------------------
+# no rebinding: a parallelism fills the model's hooks (lit_moe.model.hooks.ModelHooks), it does not
+# assign the model's attributes, and FSDP asks the recompute plan instead of reading flags
+# ----------------------------------------------------------------------------------------------
+# what parallelisms used to assign on the model and its modules, the markers they left on swapped
+# functions, and the flag recompute left for FSDP: none may be assigned, read or named in lit_moe,
+# except the two that are ModelHooks fields now, on a ``hooks`` object
+REBOUND = {"loss_function", "shift_left", "context_parallel_inputs", "context_parallel_shard", "aux_stats_reduce",
+           "gather_vocab", "__wrapped__", "shard_loss_of", "_lit_moe_reshard_after_forward"}
+HOOK_FIELDS = {"shift_left", "aux_stats_reduce"}
+# the parallelisms, where no ``setattr`` may put anything on a module either
+PARALLELISMS = ("lit_moe/strategies/", "lit_moe/predict.py")
+# the assignments to ``.forward`` and setattr calls that remain, per file: (count, why)
+STILL_REBINDING = {
+    "lit_moe/strategies/recompute/apply.py": (4, "activation recompute wraps forward and communication "
+                                                 "attributes in place (parameter names unchanged); open"),
+    "lit_moe/strategies/recompute/hooks.py": (1, "_ModuleCall keeps the module's original forward"),
+    "lit_moe/strategies/hooks.py": (1, "use_local_params marks a module it has hooked already"),
+}
+
+
+def _on_hooks(node: ast.Attribute) -> bool:
+    owner = node.value
+    return node.attr in HOOK_FIELDS and ((isinstance(owner, ast.Name) and owner.id == "hooks")
+                                         or (isinstance(owner, ast.Attribute) and owner.attr == "hooks"))
+
+
+def rebindings(source: str, parallelism: bool = True) -> list[str]:
+    """``line: what`` for each assignment to a ``.forward`` or a :data:`REBOUND` attribute (not a
+    ``hooks`` field), each string naming one of the others, and in a ``parallelism`` each
+    ``setattr`` / ``__setattr__`` call."""
+    found, assigned = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute) and (t.attr == "forward" or t.attr in REBOUND):
+                    assigned.add(id(t))
+                    if not _on_hooks(t):
+                        found.append(f"{node.lineno}: .{t.attr} =")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if parallelism and name in ("setattr", "__setattr__"):
+                found.append(f"{node.lineno}: {name}(")
+        if (isinstance(node, ast.Attribute) and node.attr in REBOUND and id(node) not in assigned
+                and not _on_hooks(node)):
+            found.append(f"{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Constant) and node.value in REBOUND - HOOK_FIELDS:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return sorted(set(found))
+
+
+def test_the_rebinding_check_sees_each_form():
+    planted = ("model.loss_function = f\nblock.forward = w\nsetattr(m, 'x', 1)\nobject.__setattr__(m, 'y', 2)\n"
+               "getattr(model, 'context_parallel_inputs', None)\nmoe.aux_stats_reduce(c)\na, m.shift_left = 1, g\n")
+    assert rebindings(planted) == ["1: .loss_function =", "2: .forward =", "3: setattr(", "4: __setattr__(",
+                                   "5: 'context_parallel_inputs'", "6: .aux_stats_reduce", "7: .shift_left ="]
+    assert rebindings("model.hooks.loss_share = share\nself.hooks = ModelHooks()\nhooks.shift_left = f\n"
+                      "self.hooks.aux_stats_reduce(c)\n__all__ = ['shift_left']\n") == []
+    assert rebindings("setattr(m, 'x', 1)\n", parallelism=False) == []
+
+
+def test_no_parallelism_rebinds_the_model():
+    found = {}
+    for path in sorted((ROOT / "lit_moe").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        hits = rebindings(path.read_text(), parallelism=name.startswith(PARALLELISMS))
+        if hits:
+            found[name] = hits
+    assert {f: len(h) for f, h in found.items()} == {f: n for f, (n, _) in STILL_REBINDING.items()}, found
+    # a pipeline stage shares the model's hooks object, it does not copy the model's attributes
+    assert "vars(model)" not in (ROOT / "lit_moe/strategies/pipeline.py").read_text()
+
+
+def test_the_model_does_not_import_fsdp():
+    """Compiling around FSDP2 units is a step of ``parallelize`` (``apply_compile``)."""
+    for path in sorted((ROOT / "lit_moe" / "model").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any("fsdp" in n for n in names), (path.name, node.lineno, names)

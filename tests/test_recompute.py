@@ -491,15 +491,18 @@ def test_comm_recompute_detects_inplace_change_of_input():
 def test_fsdp_all_gather_virtual_path():
     model = make()
     with pytest.warns(RecomputeWarning, match="nothing_here"):
-        apply_recompute(model, None, {"enable": True, "select_module": {FSDP_ALL_GATHER: [1, 3], "nothing_here": [0]}})
-    assert [fsdp_reshard_after_forward(b, False) for b in model.blocks()] == [False, True, False, True]
+        plan = apply_recompute(model, None, {"enable": True,
+                                             "select_module": {FSDP_ALL_GATHER: [1, 3], "nothing_here": [0]}})
+    assert [fsdp_reshard_after_forward(plan, i, False) for i in range(4)] == [False, True, False, True]
     # also in a layer that is recomputed whole: re-gathering parameters is independent of that
     full = make()
-    apply_recompute(full, {"mode": "full", "full_recompute_layer": [1]}, {"enable": True, "select_module": {".*": [1]}})
-    assert [fsdp_reshard_after_forward(b, False) for b in full.blocks()] == [False, True, False, False]
-    assert all(fsdp_reshard_after_forward(b, True) for b in model.blocks())
-    remove_recompute(model)
-    assert not any(fsdp_reshard_after_forward(b, False) for b in model.blocks())
+    full_plan = apply_recompute(full, {"mode": "full", "full_recompute_layer": [1]},
+                                {"enable": True, "select_module": {".*": [1]}})
+    assert [fsdp_reshard_after_forward(full_plan, i, False) for i in range(4)] == [False, True, False, False]
+    assert all(fsdp_reshard_after_forward(plan, i, True) for i in range(4))
+    assert not any(fsdp_reshard_after_forward(None, i, False) for i in range(4))   # no recompute sections
+    # the FSDP decision is the plan's: nothing is left on the modules for FSDP to read
+    assert not any(k.startswith("_lit_moe") for b in model.blocks() for k in vars(b))
 
 
 def test_deepcopy_of_a_recomputed_model_is_independent():

@@ -5,8 +5,9 @@ module's ``__call__``: FSDP2's hooks, activation-checkpoint wrappers and expert-
 outside the compiled region, and parameter names do not change. Where a submodule the function calls
 carries hooks itself (a MoE layer's experts are an FSDP unit of their own and expert-parallel
 dispatch needs host split sizes; ``[norm, lm_head]`` is one FSDP unit) or otherwise breaks graphs
-(:func:`breaks_graphs`), a smaller function is compiled instead (the other half of the decoder
-layer) or none (the head), so that no graph breaks. One compiled function serves every
+(the model's ``hooks.breaks_graphs``: :func:`own_graph_breaks`, plus the FSDP2 units that
+``parallelize``'s compile step adds), a smaller function is compiled instead (the other half of the
+decoder layer) or none (the head), so that no graph breaks. One compiled function serves every
 layer (dynamo guards on the layer's structure, so dense and MoE layers get a graph each).
 
 A failure to compile (no C++ compiler for inductor, a backend without inductor support, an
@@ -68,15 +69,12 @@ def compile_enabled(torch_compile: Optional[bool], device: torch.device) -> bool
     return device.type == "cuda" if torch_compile is None else bool(torch_compile)
 
 
-def breaks_graphs(*modules: torch.nn.Module) -> bool:
-    """Whether a compiled function calling any of ``modules`` would break its graph there: a module
-    or submodule that is an FSDP2 unit (its hooks are excluded from tracing) or says so
-    (``breaks_compiled_graphs``: expert-parallel dispatch reads split sizes on the host, context
-    parallel's asynchronous all-to-alls wait on handles). Plain Python hooks are traced."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) or getattr(m, "breaks_compiled_graphs", False)
-               for module in modules for m in module.modules())
+def own_graph_breaks(module: torch.nn.Module) -> bool:
+    """Whether a compiled function calling ``module`` would break its graph there by the module's own
+    account: it or a submodule says so (``breaks_compiled_graphs``: expert-parallel dispatch reads
+    split sizes on the host, context parallel's asynchronous all-to-alls wait on handles, dropping
+    over capacity cuts rows at a host-read count). Plain Python hooks are traced."""
+    return any(getattr(m, "breaks_compiled_graphs", False) for m in module.modules())
 
 
 _WARNED = False

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext
-from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.gqa import build_attention
+from lit_moe.model.hooks import ModelHooks
 from lit_moe.model.moe import MLP, MoE
 from lit_moe.ops import build_norm
 
@@ -36,6 +37,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
         self.hidden_dropout = config.hidden_dropout
         self.torch_compile = config.torch_compile
+        self.hooks = ModelHooks()   # the model's, shared by its blocks (what breaks a compiled graph)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if not compile_enabled(self.torch_compile, x.device):
@@ -44,8 +46,8 @@ class DecoderLayer(nn.Module):
         # the expert mesh; expert-parallel dispatch sends rows by host-known split sizes; asynchronous
         # context parallel waits on communication handles) runs eagerly and the other is compiled
         # alone (TorchTitan also keeps MoE dispatch out of its compiled regions).
-        attention_ok = not breaks_graphs(self.self_attention)
-        mlp_ok = not breaks_graphs(self.mlp)
+        attention_ok = not self.hooks.breaks_graphs(self.self_attention)
+        mlp_ok = not self.hooks.breaks_graphs(self.mlp)
         if attention_ok and mlp_ok:
             return compiled(DecoderLayer._forward)(self, x, ctx)
         attention_half = compiled(DecoderLayer._attention_half) if attention_ok else DecoderLayer._attention_half

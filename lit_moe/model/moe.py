@@ -22,6 +22,7 @@ from torch import nn
 
 from lit_moe.model.compile import in_backward
 from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.hooks import ModelHooks
 from lit_moe.ops import GatedActivation, Linear, fused_linear
 
 
@@ -315,7 +316,7 @@ class GroupedExperts(nn.Module):
 
     @property
     def breaks_compiled_graphs(self) -> bool:
-        """Whether a compiled caller would break its graph here (``compile.breaks_graphs``): expert-
+        """Whether a compiled caller would break its graph here (``compile.own_graph_breaks``): expert-
         parallel dispatch and the per-expert fallback loop read group sizes on the host; the grouped
         GEMMs are traced only in bf16, with aligned strides, where they run."""
         if self.dispatch_on_host:
@@ -426,8 +427,9 @@ class MoE(nn.Module):
         self.register_buffer("total_assignments", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: dict[str, torch.Tensor] = {}
-        # context parallel sets it: the balancing statistics of a sequence span its shards' ranks
-        self.aux_stats_reduce: Optional[Callable] = None
+        # the model's hooks (shared by every MoE layer of a model): context parallel's
+        # ``aux_stats_reduce`` sums the balancing statistics of a sequence over its shards' ranks
+        self.hooks = ModelHooks()
         # expert parallel's alltoall_deredundancy sets it (lit_moe.strategies.expert_parallel.
         # DeduplicatedDispatch): ``(flat_x, weights, indices, keep, experts) -> routed [T, H]`` sends
         # token rows, not assignment rows, so it needs the routing itself rather than sorted rows
@@ -457,7 +459,7 @@ class MoE(nn.Module):
         self.aux_loss = None
         if self.training and self.aux_coeff > 0 and self.aux_type != "none":
             self.aux_loss = load_balancing_loss(scores, K, B, self.scoring_func, self.aux_type, self.aux_coeff,
-                                                self.aux_stats_reduce)
+                                                self.hooks.aux_stats_reduce)
             if self._recording():
                 self.last_stats["aux_loss"] = self.aux_loss.detach()
         return out

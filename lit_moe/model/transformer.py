@@ -20,9 +20,10 @@ from torch import nn
 
 from lit_moe.model import hf
 from lit_moe.model.attention import AttentionContext
-from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import DecoderLayer, block_norm
+from lit_moe.model.hooks import ModelHooks
 from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
@@ -43,13 +44,6 @@ class CausalLMOutput:
     """lambda / D * sum_k CE_k (with labels; 0 without MTP)."""
 
 
-def _shift_left(x: torch.Tensor) -> torch.Tensor:
-    """x[:, i] ← x[:, i+1], the last column filled with 0 (no wrap-around)."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
-
-
-
-
 def _param_seed(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -68,10 +62,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if isinstance(config, dict):
             config = DeepseekV3Config(**config)
         self.config = config
-        # The loss over (logits, labels, mask); tensor parallel swaps in a vocabulary-parallel one.
-        self.loss_function = masked_cross_entropy
-        # The MTP input shift; context parallel swaps in one that exchanges chunk-boundary tokens.
-        self.shift_left = _shift_left
+        # what a parallel layout changes in the forward (loss, MTP shift, input sharding, balancing
+        # statistics): tensor and context parallelism fill its fields; the MoE layers share it
+        self.hooks = ModelHooks()
         c = config
         dtype = c.torch_dtype("params_dtype")
         self.compute_dtype = c.torch_dtype("compute_dtype")
@@ -88,6 +81,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
         self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
         self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
+        for part in (*self.blocks(), *self.moe_layers()):
+            part.hooks = self.hooks
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights(torch.initial_seed())
@@ -158,12 +153,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 actual_seq_len: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device)
-        position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
-        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
-
+        input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
+            input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
         h = self.embed(input_ids, position_ids)
         for layer in self.layers:
             h = layer(h, ctx)
@@ -191,13 +182,35 @@ class DeepseekV3ForCausalLM(nn.Module):
         out.aux_loss = aux if aux is not None else h.new_zeros((), dtype=torch.float32)
         return out
 
+    def _inputs(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor],
+                position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                actual_seq_len: Optional[torch.Tensor]):
+        """This rank's ``(input_ids, labels, loss_mask, position_ids [B, S], attention context)``: the
+        inputs sharded by ``hooks.shard_inputs`` (context parallel, whose masks of the whole sequence
+        ride in the context), positions ``arange(S)`` when absent."""
+        cp_masks = None
+        if self.hooks.shard_inputs is not None:
+            call, cp_masks = self.hooks.shard_inputs(dict(
+                input_ids=input_ids, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                attention_mask=attention_mask, actual_seq_len=actual_seq_len))
+            input_ids, labels, loss_mask = call["input_ids"], call.get("labels"), call.get("loss_mask")
+            position_ids, attention_mask, actual_seq_len = call["position_ids"], None, None
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)
+        position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
+        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
+        if cp_masks is not None:
+            ctx.full_mask = ctx.window_mask = cp_masks
+        return input_ids, labels, loss_mask, position_ids, ctx
+
     def _mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                      mask: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Depth k: inputs, labels, mask and positions shifted left by k (zero-filled)."""
         total = hidden.new_zeros((), dtype=torch.float32)
         ids, lab, msk, pos = input_ids, labels, mask, position_ids
         for layer in self.mtp:
-            ids, lab, msk, pos = (self.shift_left(t) for t in (ids, lab, msk, pos))
+            ids, lab, msk, pos = (self.hooks.shift_left(t) for t in (ids, lab, msk, pos))
             hidden = layer(hidden, self.embed(ids, pos), ctx.with_positions(self.config, pos))
             if self._fused_loss():
                 total = total + self._maybe_compiled(DeepseekV3ForCausalLM._mtp_fused_loss)(self, hidden, lab, msk)
@@ -210,36 +223,46 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Final norm, fp32 logits and (with labels) the loss: (normed h, logits, loss)."""
         h = self.norm(h)
         logits = self.lm_head(h).float()
-        loss = self.loss_function(logits, labels, mask) if labels is not None else None
+        loss = self._loss(logits, labels, mask) if labels is not None else None
         return h, logits, loss
 
     def _fused_head(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and the fused linear + cross-entropy (training): (normed h, loss)."""
         h = self.norm(h)
-        return h, self.lm_head(h, labels, mask)
+        return h, self._shared(self.lm_head(h, labels, mask), mask)
 
     def _mtp_fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, labels, mask)
+        return self._shared(self.lm_head(hidden, labels, mask), mask)
 
     def _mtp_loss(self, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(self.lm_head(hidden).float(), labels, mask)
+        return self._loss(self.lm_head(hidden).float(), labels, mask)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The masked mean cross-entropy of ``logits`` (per token as ``hooks.per_token_loss`` says), as
+        this rank reports it (``hooks.loss_share``)."""
+        per_token = self.hooks.per_token_loss
+        loss = (masked_cross_entropy(logits, labels, mask) if per_token is None
+                else masked_cross_entropy(logits, labels, mask, per_token=per_token))
+        return self._shared(loss, mask)
+
+    def _shared(self, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        share = self.hooks.loss_share
+        return loss if share is None else share(loss, mask)
 
     def _fused_loss(self) -> bool:
-        # Only for gradients (it computes them in forward) and the plain loss: tensor parallel swaps
-        # in a vocabulary-parallel one over sharded logits.
-        # (context parallel wraps the loss but keeps the plain masked mean per shard: ``shard_loss_of``)
-        loss = getattr(self.loss_function, "shard_loss_of", self.loss_function)
-        return torch.is_grad_enabled() and loss is masked_cross_entropy
+        # Only for gradients (it computes them in forward) and the local cross-entropy: tensor
+        # parallel's vocabulary-parallel one runs over sharded logits.
+        return torch.is_grad_enabled() and self.hooks.per_token_loss is None
 
     def _maybe_compiled(self, fn):
-        # The head's loss is only compiled in its default form: tensor parallel swaps in a
-        # vocabulary-parallel loss with collectives inside. Not when norm and head are an FSDP unit
+        # The head's loss is only compiled in its default form: tensor parallel's vocabulary-parallel
+        # loss and context parallel's share have collectives inside. Not when norm and head are an FSDP unit
         # (several ranks): its hooks would break the graph (the fused loss is lean eagerly).
         # (Training forwards of that default form compile the fused head, the others the plain
         # norm + head + loss.)
         if (compile_enabled(self.config.torch_compile, self.lm_head.weight.device)
-                and self.loss_function is masked_cross_entropy and not breaks_graphs(self.norm, self.lm_head)):
+                and self.hooks.plain_loss() and not any(map(self.hooks.breaks_graphs, (self.norm, self.lm_head)))):
             return compiled(fn)
         return fn
 

@@ -4,15 +4,15 @@ model, and only attention sees the other ranks' tokens.
 * **Zig-zag shards.** The sequence is cut into ``2·cp`` chunks of ``c = S/(2·cp)`` tokens; rank ``r``
   holds chunks ``r`` and ``2·cp-1-r`` (a head and a tail chunk). Causal attention work grows with
   the position, so every rank gets the same amount (:func:`attention_work`). (MindFormers slices
-  contiguous chunks; the layout is internal, results are the same.) A forward pre-hook on the model
-  takes those positions of ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``
-  (``arange(S)`` when absent, so rotary angles are the global positions) and keeps
-  ``attention_mask`` / ``actual_seq_len``, which describe the whole sequence, to build each
-  attention call's exact mask rows (causal in global positions, plus sliding window, blocked pairs
-  and document boundaries). Pipeline stages call the same sharding (``model.context_parallel_inputs``)
-  in their forward, and carry that forward's masks (:class:`ShardMasks`) in the attention context:
-  a schedule runs several micro-batches' forwards before a backward, and a recomputed layer must
-  meet its own micro-batch's masks.
+  contiguous chunks; the layout is internal, results are the same.) The model's
+  ``hooks.shard_inputs``, run at the start of its forward (and of a pipeline stage's), takes those
+  positions of ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids`` (``arange(S)`` when
+  absent, so rotary angles are the global positions) and keeps ``attention_mask`` /
+  ``actual_seq_len``, which describe the whole sequence, to build each attention call's exact mask
+  rows (causal in global positions, plus sliding window, blocked pairs and document boundaries).
+  That forward's masks (:class:`ShardMasks`) ride in its attention context: a pipeline schedule
+  runs several micro-batches' forwards before a backward, and a recomputed layer must meet its own
+  micro-batch's masks.
 * **Attention** (``parallelism.context_parallel_method``; each MLA's ``core_attention`` becomes a
   :class:`ContextParallelAttention` around the original):
 
@@ -31,22 +31,21 @@ model, and only attention sees the other ranks' tokens.
   and shared experts) run on the rank's ``S/cp`` tokens. The balancing loss needs statistics of
   whole sequences: its per-sequence expert counts and probability sums are summed over cp
   (:func:`comm.all_reduce`, whose backward sums every rank's gradient, since every rank's loss uses
-  the total). The expert-bias token counts are summed over dp × cp by the training step
+  the total: the model's ``hooks.aux_stats_reduce``). The expert-bias token counts are summed over dp × cp by the training step
   (``strategy.expert_count_group``).
 * **Loss.** A loss on a shard is the shard's masked mean; the run's loss is the masked mean over
-  the sequence. The model's ``loss_function`` is wrapped so that rank ``c`` reports
+  the sequence. The model's ``hooks.loss_share`` makes rank ``c`` report
   ``cp · sum_c / count_total`` (the count summed over cp): the mean over the cp ranks (what
   data-parallel gradient averaging and loss logging compute) is then exactly the sequence's mean,
   and every gradient is the single-process one. This holds for every MTP depth too.
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
-  first token of the next chunk, which another rank holds. The model's ``shift_left`` is replaced by
+  first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Optional
 
 import torch
@@ -55,7 +54,6 @@ from torch import nn
 
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
 from lit_moe.strategies import comm
-from lit_moe.strategies.hooks import around_forward
 from lit_moe.strategies.parallel_dims import check_parallel_layout, cp_ulysses_degree
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +173,7 @@ class ContextParallelAttention(nn.Module):
         self.window_left = window_left
         self.asynchronous = asynchronous and u > 1
         # waiting on asynchronous all-to-all handles cannot be traced: the decoder layer compiles
-        # without its attention half (lit_moe.model.compile.breaks_graphs)
+        # without its attention half (lit_moe.model.compile.own_graph_breaks)
         self.breaks_compiled_graphs = self.asynchronous
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
         # named for recompute_comm (e.g. 'self_attention.core_attention.all_gather')
@@ -298,11 +296,6 @@ def boundary_shift(x: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int
     return torch.cat([x[:, 1:c], fills[0], x[:, c + 1:], fills[1]], dim=1)
 
 
-def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    sig = inspect.signature(model.forward)
-    return dict(sig.bind_partial(*args, **kwargs).arguments)
-
-
 def _subgroups(dims, u: int):
     """(ulysses group of ``u`` consecutive cp ranks, all-gather group across the ``cp/u`` groups)."""
     cp_mesh = dims.mesh("cp")
@@ -321,8 +314,7 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     cp_mesh = dims.mesh("cp")
     group = cp_mesh.get_group()
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-    shard = _Shard(rank, size)
-    model.context_parallel_shard = shard          # read by tests and benchmarks (attention work)
+    shard = _Shard(rank, size)      # every layer's attention holds it (tests read its work counters)
     ulysses_group, ring_group = _subgroups(dims, u)
     window = int(config.window_size[0]) if getattr(config, "window_size", None) else -1
 
@@ -337,37 +329,12 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
         dist.all_reduce(counts, group=group)
         return counts, comm.all_reduce(prob_sums, group), tokens * size
 
-    for moe in model.moe_layers():
-        moe.aux_stats_reduce = reduce_stats
-
     def share(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A shard's masked mean → its share of the sequence's mean, times cp (module docstring)."""
         local = mask.sum().to(torch.float32)
         total = local.detach().clone()
         dist.all_reduce(total, group=group)
         return loss * (local / total.clamp_min(1.0) * size).to(loss.dtype)
-
-    original_loss = model.loss_function
-
-    def sequence_share_loss(logits, labels, mask):
-        return share(original_loss(logits, labels, mask), mask)
-
-    # still the plain masked mean per shard: the model keeps its fused head for it
-    sequence_share_loss.shard_loss_of = original_loss  # type: ignore[attr-defined]
-    model.loss_function = sequence_share_loss
-
-    def head_before(mod, args, kwargs):
-        labels = args[1] if len(args) > 1 else kwargs.get("labels")
-        if labels is None:
-            return args, kwargs, None
-        mask = args[2] if len(args) > 2 else kwargs.get("mask")
-        return args, kwargs, (labels != -100) if mask is None else mask
-
-    def head_after(mod, out, mask):
-        return out if mask is None else share(out, mask)
-
-    around_forward(model.lm_head, head_before, head_after)   # the fused head's loss (labels given)
-    model.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
 
     def shard_inputs(call: dict[str, Any]) -> tuple[dict[str, Any], ShardMasks]:
         """A forward's arguments (by name) → this rank's: ``input_ids``, ``labels``, ``loss_mask``
@@ -391,13 +358,11 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
         call["position_ids"] = positions.index_select(1, index)
         return call, masks
 
-    # pipeline stages (DeepseekV3Stage copies the model's plain attributes) shard their own inputs
-    model.context_parallel_inputs = shard_inputs
-
-    def pre(mod, args, kwargs):
-        return (), shard_inputs(_bind(mod, args, kwargs))[0]
-
-    model.register_forward_pre_hook(pre, with_kwargs=True)
+    hooks = model.hooks          # shared by the MoE layers and the pipeline stages
+    hooks.aux_stats_reduce = reduce_stats
+    hooks.loss_share = share
+    hooks.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
+    hooks.shard_inputs = shard_inputs
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",

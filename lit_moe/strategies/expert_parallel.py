@@ -71,12 +71,16 @@ def _slice_counts(counts: torch.Tensor, start: int, end: int) -> torch.Tensor:
                         min=0)).to(counts.dtype)
 
 
-def apply_moe_sequence_split(moe: nn.Module, tp_group: dist.ProcessGroup) -> None:
-    """Gather the tensor-parallel sequence shards into the MoE layer and split its expert rows."""
+def apply_moe_sequence_split(moe: nn.Module, tp_group: dist.ProcessGroup, sequence_parallel: bool = True) -> None:
+    """Gather the tensor-parallel sequence shards into the MoE layer and split its expert rows
+    (``sequence_parallel=False``, decoding: the whole sequence is there; the partial outputs are
+    all-reduced)."""
+    from lit_moe.strategies.tensor_parallel import entry_gather, exit_reduce
+
     parts = dist.get_world_size(tp_group)
     index = dist.get_rank(tp_group)
-    moe.router.all_gather = functools.partial(comm.all_gather, group=tp_group, dim=1)
-    moe.reduce_scatter = functools.partial(comm.reduce_scatter, group=tp_group, dim=1)
+    moe.router.all_gather = entry_gather(tp_group, sequence_parallel)
+    moe.reduce_scatter = exit_reduce(tp_group, sequence_parallel)
 
     def before(mod, args, kwargs):
         return (mod.router.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
@@ -277,7 +281,7 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
     local_experts = experts.gate_up_proj.shape[0] // ep
     experts.dispatch_bytes = 0
     # the dispatch reads the split sizes on the host: a compiled decoder layer leaves this MoE eager
-    # (lit_moe.model.compile.breaks_graphs)
+    # (lit_moe.model.compile.own_graph_breaks)
     experts.dispatch_on_host = True
     if dispatcher == "alltoall_deredundancy":
         return      # the MoE layer hands its routing to DeduplicatedDispatch (apply_moe_parallel)
@@ -303,16 +307,18 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, dispatcher: str = "alltoa
     around_forward(experts, before, after)
 
 
-def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall") -> list[nn.Module]:
+def apply_moe_parallel(model: nn.Module, dims, dispatcher: str = "alltoall", sequence_parallel: bool = True
+                       ) -> list[nn.Module]:
     """The MoE part of parallelize: sequence gather + row split over tp, then expert parallel.
-    Returns the routed-expert modules (FSDP shards them on their own mesh)."""
+    Returns the routed-expert modules (FSDP shards them on their own mesh). ``sequence_parallel``:
+    see :func:`lit_moe.strategies.tensor_parallel.apply_tensor_parallel`."""
     experts = []
     moes = model.moe_layers()
     if not moes:
         return experts
     for moe in moes:
         if dims.tp > 1:
-            apply_moe_sequence_split(moe, dims.mesh("tp").get_group())
+            apply_moe_sequence_split(moe, dims.mesh("tp").get_group(), sequence_parallel)
         if dims.ep > 1:
             apply_expert_parallel(moe.experts, dims.mesh("ep"), dispatcher)
             if dispatcher == "alltoall_deredundancy":

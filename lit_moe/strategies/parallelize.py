@@ -1,5 +1,9 @@
-"""``parallelize(model, dims, parallelism, ...)``: TP → EP → CP → recompute → FSDP2, in small named
-steps (TorchTitan's order). Each step is a no-op when its degree is 1.
+"""``parallelize(model, dims, parallelism, ...)``: TP → EP → CP → recompute → FSDP2 → compile, in small
+named steps (TorchTitan's order). Each step is a no-op when its degree is 1.
+
+The compile step tells the model's ``torch_compile`` which modules break a compiled graph on this
+layout (``model.hooks.breaks_graphs``): the modules' own account plus the FSDP2 units, whose hooks
+are excluded from tracing, so the model itself knows nothing of FSDP.
 
 FSDP2 (``fully_shard``) wraps the embedding, every block of ``model.blocks()`` (decoder and MTP
 layers), ``[norm, lm_head]`` and the root, on the dense FSDP mesh (``dp_shard·cp``, or
@@ -28,18 +32,18 @@ from lit_moe.config import ParallelismConfig, RecomputeCommConfig, RecomputeConf
 log = logging.getLogger(__name__)
 
 
-def apply_tp(model: nn.Module, dims) -> None:
+def apply_tp(model: nn.Module, dims, sequence_parallel: bool = True) -> None:
     if dims.tp > 1:
         from lit_moe.strategies.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, dims.mesh("tp"))
+        apply_tensor_parallel(model, dims.mesh("tp"), sequence_parallel)
 
 
-def apply_ep(model: nn.Module, dims, dispatcher: str) -> None:
+def apply_ep(model: nn.Module, dims, dispatcher: str, sequence_parallel: bool = True) -> None:
     if dims.ep > 1 or dims.tp > 1:
         from lit_moe.strategies.expert_parallel import apply_moe_parallel
 
-        apply_moe_parallel(model, dims, dispatcher)
+        apply_moe_parallel(model, dims, dispatcher, sequence_parallel)
 
 
 def apply_cp(model: nn.Module, dims, parallelism: ParallelismConfig) -> None:
@@ -49,18 +53,14 @@ def apply_cp(model: nn.Module, dims, parallelism: ParallelismConfig) -> None:
         apply_context_parallel(model, dims, parallelism)
 
 
-def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims) -> None:
+def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims):
+    """The recompute plan applied to ``model`` (None without recompute sections); FSDP asks it which
+    layers re-gather their parameters."""
     if recompute is None and recompute_comm is None:
-        return
+        return None
     from lit_moe.strategies.recompute import apply_recompute
 
-    apply_recompute(model, recompute, recompute_comm, dims)
-
-
-def _reshard_after_forward(block: nn.Module, default: bool) -> bool:
-    from lit_moe.strategies.recompute import fsdp_reshard_after_forward
-
-    return fsdp_reshard_after_forward(block, default)
+    return apply_recompute(model, recompute, recompute_comm, dims)
 
 
 def mixed_precision(config: Any, reduce_in_fp32: bool):
@@ -77,12 +77,16 @@ def mixed_precision(config: Any, reduce_in_fp32: bool):
     return dense, router
 
 
-def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConfig, reduce_in_fp32: bool) -> None:
+def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConfig, reduce_in_fp32: bool,
+               recompute_plan: Any = None) -> None:
+    """FSDP2 units (module docstring); ``recompute_plan`` (:func:`apply_recompute_step`'s) says which
+    layers reshard after forward to re-gather for backward."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     from lit_moe.model import MoE
     from lit_moe.strategies.parallel_dims import gradient_divide_factors, reshard_after_forward
+    from lit_moe.strategies.recompute import fsdp_reshard_after_forward
 
     dense_mp, router_mp = mixed_precision(config, reduce_in_fp32)
     zero3 = reshard_after_forward(parallelism)
@@ -108,7 +112,7 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
         if embedding is not None and not isinstance(embedding, FSDPModule):
             fully_shard(embedding, mesh=mesh, mp_policy=dense_mp, reshard_after_forward=zero3)
     for block in model.blocks():
-        reshard = _reshard_after_forward(block, zero3)
+        reshard = fsdp_reshard_after_forward(recompute_plan, block.layer_idx, zero3)
         mlp = block.mlp
         if isinstance(mlp, MoE):
             experts = fully_shard(mlp.experts, mesh=emesh, mp_policy=dense_mp, reshard_after_forward=reshard,
@@ -155,6 +159,20 @@ def _backend(mesh) -> str:
         return "unknown"
 
 
+def apply_compile(model: nn.Module) -> None:
+    """The compile step: the FSDP2 units (a MoE layer's experts, ``[norm, lm_head]``, the blocks)
+    break the graphs of the model's compiled functions, which then compile around them
+    (:mod:`lit_moe.model.compile`); a no-op without FSDP units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lit_moe.model.compile import own_graph_breaks
+
+    def breaks_graphs(module: nn.Module) -> bool:
+        return own_graph_breaks(module) or any(isinstance(m, FSDPModule) for m in module.modules())
+
+    model.hooks.breaks_graphs = breaks_graphs
+
+
 def needs_fsdp(dims) -> bool:
     return dims.world_size > 1
 
@@ -184,9 +202,10 @@ def parallelize(
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
-    apply_recompute_step(model, recompute, recompute_comm, dims)
+    plan = apply_recompute_step(model, recompute, recompute_comm, dims)
     if force_fsdp or needs_fsdp(dims):
         if not dims.meshes:
             raise RuntimeError("parallelize: FSDP needs device meshes; call ParallelDims.build_meshes() first")
-        apply_fsdp(model, dims, config, parallelism, reduce_in_fp32)
+        apply_fsdp(model, dims, config, parallelism, reduce_in_fp32, recompute_plan=plan)
+    apply_compile(model)
     return model

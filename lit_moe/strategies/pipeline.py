@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_moe.strategies.parallel_dims import ParallelismError
-from lit_moe.model.attention import AttentionContext
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")
@@ -234,11 +233,9 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
 
     def __init__(self, model: DeepseekV3ForCausalLM, layer_ids: Sequence[int], first: bool, last: bool):
         nn.Module.__init__(self)
-        # the model's plain attributes (config, dtypes, and the functions parallelisms swap in: the
-        # loss under tensor parallel, the token shift under context parallel)
-        for key, value in vars(model).items():
-            if not key.startswith("_") and key != "training" and not isinstance(value, nn.Module):
-                self.__dict__[key] = value
+        self.config, self.compute_dtype = model.config, model.compute_dtype
+        # what tensor and context parallelism filled in (loss, MTP shift, input sharding): the same object
+        self.hooks = model.hooks
         self.is_first, self.is_last = bool(first), bool(last)
         self.layer_ids = list(layer_ids)
         mtp = self.is_last and len(model.mtp) > 0
@@ -266,27 +263,12 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 actual_seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
-        cp_masks = None
-        shard_inputs = getattr(self, "context_parallel_inputs", None)
-        if shard_inputs is not None:
-            # context parallel: every stage takes this rank's zig-zag positions of the micro-batch's
-            # tensors (the hidden state between stages is already [B, S/cp, H]); the whole
-            # sequence's masks ride in the attention context (see ShardMasks)
-            call, cp_masks = shard_inputs(dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask,
-                                               position_ids=position_ids, attention_mask=attention_mask,
-                                               actual_seq_len=actual_seq_len))
-            input_ids, labels, loss_mask = call["input_ids"], call.get("labels"), call.get("loss_mask")
-            position_ids, attention_mask, actual_seq_len = call["position_ids"], None, None
-            if self.is_first:
-                x = input_ids
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device)
-        position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
-        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
-        if cp_masks is not None:
-            ctx.full_mask = ctx.window_mask = cp_masks
-        h = self.embed(x, position_ids) if self.is_first else x
+        # every stage takes this rank's part of the micro-batch's tensors (context parallel: its
+        # zig-zag positions; the hidden state between stages is already [B, S/cp, H]); the first
+        # embeds them (``x`` is the same token ids there)
+        input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
+            input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
+        h = self.embed(input_ids, position_ids) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, ctx)
         self._collect_moe_aux(self._main_moe)
@@ -302,8 +284,7 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         if loss_mask is not None:
             mask = mask & (loss_mask != 0)
         if self._fused_loss():
-            h = self.norm(h)
-            loss = self.lm_head(h, labels, mask)
+            h, loss = self._fused_head(h, labels, mask)
         else:
             h, _, loss = self._head(h, labels, mask)
         mtp = loss.new_zeros((), dtype=torch.float32)
@@ -366,7 +347,8 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     dense and expert meshes (when a stage has more than one rank). Returns :func:`split_model`'s (container, stage modules)."""
     from lit_moe.config import ParallelismConfig
     from lit_moe.strategies.expert_parallel import resolve_dispatcher
-    from lit_moe.strategies.parallelize import apply_cp, apply_ep, apply_fsdp, apply_recompute_step, apply_tp
+    from lit_moe.strategies.parallelize import (apply_compile, apply_cp, apply_ep, apply_fsdp, apply_recompute_step,
+                                                apply_tp)
 
     parallelism = parallelism if parallelism is not None else ParallelismConfig()
     config = model_config if model_config is not None else model.config
@@ -383,12 +365,12 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
-    apply_recompute_step(model, recompute, recompute_comm, dims)
+    plan = apply_recompute_step(model, recompute, recompute_comm, dims)
     container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank(), stage_ranks)
     # One rank per stage shards nothing and reduces nothing: like one process, no FSDP.
     if stage_ranks > 1:
         for part in parts:
-            apply_fsdp(part, dims, config, parallelism, reduce_in_fp32)
+            apply_fsdp(part, dims, config, parallelism, reduce_in_fp32, recompute_plan=plan)
             if zero_bubble_fsdp:
                 # Zero-bubble schedules split the backward: the input-gradient pass runs first, and
                 # the weight-gradient pass (torch's stage_backward_weight) later takes the gradients
@@ -398,6 +380,7 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
                 # to the end of the step (ZeRO-2 for parameters); torch's REDUCE_GRAD action
                 # reduce-scatters the gradients and reshards once per step.
                 part.set_reshard_after_forward(False)
+    apply_compile(container)    # the stages share the model's hooks
     return container, parts
 
 

@@ -13,8 +13,12 @@ reduce-scatters its partial output on exit:
 * embedding: vocabulary-parallel rows; each rank looks up its ids, the partial sums are
   reduce-scattered along the sequence.
 * head: column-parallel over the vocabulary, on the all-gathered sequence. The loss is computed
-  vocabulary-parallel when the model exposes ``loss_function`` (see :func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`);
-  otherwise the logits are all-gathered along the vocabulary and the model's own loss runs on them.
+  vocabulary-parallel (the model's ``hooks.per_token_loss``, see
+  :func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`).
+
+Decoding (``sequence_parallel=False``, :mod:`lit_moe.predict`): one new token cannot be split along the
+sequence, so the same shards run as plain tensor parallel: the blocks' entry gathers pass their input
+through, their exit reduce-scatters all-reduce, and the head's vocabulary columns are all-gathered.
 
 Every other parameter outside the routed experts (norms, router, low-rank projections, MTP
 projections) becomes a ``Replicate`` DTensor on the tensor-parallel mesh whose gradient is
@@ -31,9 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.strategies import comm
-from lit_moe.strategies.hooks import around_forward, use_local_params
+from lit_moe.strategies.hooks import around_forward, transform_output, use_local_params
 
 
 def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -> None:
@@ -75,11 +78,29 @@ def _shard_adapters(linear: nn.Module, mesh, style: str) -> None:
         distribute_param(linear, name, mesh, [Shard(dim)])
 
 
-def _sequence_parallel_block(block: nn.Module, group) -> None:
+def _whole(x):
+    return x
+
+
+def entry_gather(group, sequence_parallel: bool = True):
+    """A tensor-parallel block's entry collective: all-gather the sequence shards (training), or
+    nothing (decoding: every rank holds the whole sequence)."""
+    return functools.partial(comm.all_gather, group=group, dim=1) if sequence_parallel else _whole
+
+
+def exit_reduce(group, sequence_parallel: bool = True):
+    """A tensor-parallel block's exit collective over its partial sums: reduce-scatter along the
+    sequence (training), or all-reduce (decoding)."""
+    return (functools.partial(comm.reduce_scatter, group=group, dim=1) if sequence_parallel
+            else functools.partial(comm.all_reduce, group=group))
+
+
+def _sequence_parallel_block(block: nn.Module, group, sequence_parallel: bool = True) -> None:
     """All-gather the sequence on entry (first positional argument), reduce-scatter the partial
-    output. Exposed as ``block.all_gather`` / ``block.reduce_scatter`` for ``recompute_comm``."""
-    block.all_gather = functools.partial(comm.all_gather, group=group, dim=1)
-    block.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
+    output. Exposed as ``block.all_gather`` / ``block.reduce_scatter``, the block's communication
+    steps that ``recompute_comm`` addresses by name (set here once, never swapped)."""
+    block.all_gather = entry_gather(group, sequence_parallel)
+    block.reduce_scatter = exit_reduce(group, sequence_parallel)
 
     def before(mod, args, kwargs):
         return (mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
@@ -90,25 +111,25 @@ def _sequence_parallel_block(block: nn.Module, group) -> None:
     around_forward(block, before, after)
 
 
-def tp_attention(attn: nn.Module, mesh) -> None:
+def tp_attention(attn: nn.Module, mesh, sequence_parallel: bool = True) -> None:
     for name in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj"):   # MLA's, then GQA's k/v heads
         if hasattr(attn, name):
             _colwise(getattr(attn, name), mesh)
     _rowwise(attn.o_proj, mesh)
-    _sequence_parallel_block(attn, mesh.get_group())
+    _sequence_parallel_block(attn, mesh.get_group(), sequence_parallel)
 
 
-def tp_mlp(mlp: nn.Module, mesh, sequence_parallel: bool = True) -> None:
-    """Column/row-parallel MLP; with ``sequence_parallel`` it gathers and reduce-scatters itself
-    (dense MLP), otherwise its output stays partial (shared experts inside a MoE layer)."""
+def tp_mlp(mlp: nn.Module, mesh, own_collectives: bool = True, sequence_parallel: bool = True) -> None:
+    """Column/row-parallel MLP; with ``own_collectives`` it gathers and reduces itself (dense MLP),
+    otherwise its output stays partial (shared experts inside a MoE layer)."""
     _colwise(mlp.gate_proj, mesh)
     _colwise(mlp.up_proj, mesh)
     _rowwise(mlp.down_proj, mesh)
-    if sequence_parallel:
-        _sequence_parallel_block(mlp, mesh.get_group())
+    if own_collectives:
+        _sequence_parallel_block(mlp, mesh.get_group(), sequence_parallel)
 
 
-def tp_embedding(embedding: nn.Embedding, mesh) -> None:
+def tp_embedding(embedding: nn.Embedding, mesh, sequence_parallel: bool = True) -> None:
     """Vocabulary-parallel embedding whose output is the local sequence shard."""
     distribute_param(embedding, "weight", mesh, [Shard(0)])
     use_local_params(embedding)
@@ -116,7 +137,7 @@ def tp_embedding(embedding: nn.Embedding, mesh) -> None:
     rank, n = mesh.get_local_rank(), mesh.size()
     per_rank = embedding.num_embeddings // n
     start, end = rank * per_rank, (rank + 1) * per_rank
-    embedding.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
+    embedding.reduce_scatter = exit_reduce(group, sequence_parallel)
 
     def before(mod, args, kwargs):
         ids = args[0]
@@ -131,40 +152,25 @@ def tp_embedding(embedding: nn.Embedding, mesh) -> None:
     around_forward(embedding, before, after)
 
 
-def tp_head(model: nn.Module, mesh) -> None:
-    """Column-parallel head over the vocabulary on the all-gathered sequence."""
+def tp_head(model: nn.Module, mesh, sequence_parallel: bool = True) -> None:
+    """Column-parallel head over the vocabulary on the all-gathered sequence; the loss runs
+    vocabulary-parallel on this rank's logit columns (training), or the columns are all-gathered
+    (decoding, whose callers read the logits)."""
     head = model.lm_head
     _colwise(head, mesh)
     group = mesh.get_group()
-    head.all_gather = functools.partial(comm.all_gather, group=group, dim=1)
+    head.all_gather = entry_gather(group, sequence_parallel)
+    around_forward(head, lambda mod, args, kwargs: ((mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None))
+    if not sequence_parallel:
+        transform_output(head, functools.partial(comm.all_gather, group=group, dim=-1))
+        return
     vocab_start = mesh.get_local_rank() * (head.out_features // mesh.size())
 
-    if callable(getattr(model, "loss_function", None)):
-        original = model.loss_function
+    def vocab_parallel_ce(logits, labels):
+        # ``logits`` are this rank's vocabulary columns
+        return comm.vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
 
-        def vocab_parallel_ce(logits, labels):
-            # ``logits`` are this rank's vocabulary columns
-            return comm.vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
-
-        def vocab_parallel_loss(logits, labels, mask):
-            return masked_cross_entropy(logits, labels, mask, per_token=vocab_parallel_ce)  # the model's mean
-
-        vocab_parallel_loss.__wrapped__ = original  # type: ignore[attr-defined]
-        model.loss_function = vocab_parallel_loss
-        around_forward(head, lambda mod, args, kwargs: ((mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None))
-    else:
-        # The model computes its loss from full logits: gather them along the vocabulary. Every
-        # tensor-parallel rank then computes the same loss, so the backward keeps only the local
-        # columns of the (identical) logit gradient.
-        head.gather_vocab = functools.partial(comm.all_gather_replicated_grad, group=group, dim=-1)
-
-        def before(mod, args, kwargs):
-            return (mod.all_gather(args[0]),) + tuple(args[1:]), kwargs, None
-
-        def after(mod, output, state):
-            return mod.gather_vocab(output)
-
-        around_forward(head, before, after)
+    model.hooks.per_token_loss = vocab_parallel_ce
 
 
 def replicate_remaining(model: nn.Module, mesh, skip: Sequence[nn.Module] = ()) -> None:
@@ -181,25 +187,26 @@ def replicate_remaining(model: nn.Module, mesh, skip: Sequence[nn.Module] = ()) 
             use_local_params(module)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Shard the model for tensor + sequence parallelism on ``tp_mesh`` (size > 1)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
+    """Shard the model for tensor + sequence parallelism on ``tp_mesh`` (size > 1); with
+    ``sequence_parallel=False`` plain tensor parallel for decoding (module docstring)."""
     from lit_moe.model import MLP, MoE
 
-    tp_embedding(model.embed_tokens, tp_mesh)
+    tp_embedding(model.embed_tokens, tp_mesh, sequence_parallel)
     experts = []
     for block in model.blocks():
-        tp_attention(block.self_attention, tp_mesh)
+        tp_attention(block.self_attention, tp_mesh, sequence_parallel)
         mlp = block.mlp
         if isinstance(mlp, MoE):
             # gathered/scattered at the MoE boundary (expert_parallel.apply_moe_sequence_split)
             if mlp.shared_experts is not None:
-                tp_mlp(mlp.shared_experts, tp_mesh, sequence_parallel=False)
+                tp_mlp(mlp.shared_experts, tp_mesh, own_collectives=False)
             experts.append(mlp.experts)
         elif isinstance(mlp, MLP):
-            tp_mlp(mlp, tp_mesh, sequence_parallel=True)
+            tp_mlp(mlp, tp_mesh, own_collectives=True, sequence_parallel=sequence_parallel)
         else:  # pragma: no cover - the model contract has only these two
             raise TypeError(f"tensor parallel: unknown MLP type {type(mlp).__name__}")
-    tp_head(model, tp_mesh)
+    tp_head(model, tp_mesh, sequence_parallel)
     replicate_remaining(model, tp_mesh, skip=experts)
 
 

@@ -23,7 +23,7 @@ from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _Scope
 # ----------------------------------------------------------------------------------------------
 log = logging.getLogger(__name__)
 
-_APPLIED = "_lit_moe_recompute"  # model attribute: (plan, undo list)
+_APPLIED = "_lit_moe_recompute"  # model attribute: (plan, undo list), for idempotence and undo
 
 
 def _wrap_forward(module: nn.Module, wrapper: Callable, path: str, undo: list) -> None:
@@ -56,8 +56,9 @@ def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_sel
 
 
 def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
-                    recompute_comm: RecomputeCommConfig | dict | None, parallel_dims: Any = None) -> None:
-    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place.
+                    recompute_comm: RecomputeCommConfig | dict | None, parallel_dims: Any = None) -> RecomputePlan:
+    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place; returns the plan
+    (FSDP asks it which layers re-gather their parameters: :func:`fsdp_reshard_after_forward`).
 
     Call it after tensor/expert/context parallel and before FSDP. Calling it again with the same
     sections is a no-op (Lightning's ``configure_model`` may run more than once); with different
@@ -69,7 +70,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     applied = getattr(model, _APPLIED, None)
     if applied is not None:
         if applied[0] == plan:
-            return
+            return plan
         raise RuntimeError("apply_recompute: the model already has a different recompute applied; "
                            "call remove_recompute(model) first")
     undo: list = []
@@ -92,9 +93,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
         seen_paths.update(paths)
         order = list(paths)
         fsdp = [p for p, layers in plan.comm if layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER)]
-        if fsdp:  # independent of activation recompute: parameters are re-gathered either way
-            block._lit_moe_reshard_after_forward = True
-            undo.append((block, "_lit_moe_reshard_after_forward", None))
+        if fsdp:  # independent of activation recompute: parameters are re-gathered either way (plan.regathers)
             matched_comm.update(dict.fromkeys(fsdp, True))
             fsdp_layers.append(layer_id)
         if layer_id in plan.full_layers:
@@ -136,6 +135,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
         log.info("recompute: %s", "; ".join(summary))
     # a plain attribute (not a sub-module): the list holds references to sub-modules
     object.__setattr__(model, _APPLIED, (plan, undo))
+    return plan
 
 
 def remove_recompute(model: nn.Module) -> None:
@@ -153,7 +153,7 @@ def remove_recompute(model: nn.Module) -> None:
     object.__delattr__(model, _APPLIED)
 
 
-def fsdp_reshard_after_forward(block: nn.Module, default: bool) -> bool:
-    """``reshard_after_forward`` for ``fully_shard(block)``: True when ``recompute_comm`` selected
-    this layer's FSDP all-gather (:data:`FSDP_ALL_GATHER`), else ``default``."""
-    return True if getattr(block, "_lit_moe_reshard_after_forward", False) else default
+def fsdp_reshard_after_forward(plan: RecomputePlan | None, layer_id: int, default: bool) -> bool:
+    """``reshard_after_forward`` for ``fully_shard`` of layer ``layer_id``: True when the recompute
+    ``plan`` (None: no recompute) selects its FSDP all-gather (:data:`FSDP_ALL_GATHER`), else ``default``."""
+    return True if plan is not None and plan.regathers(layer_id) else default

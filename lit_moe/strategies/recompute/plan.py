@@ -44,6 +44,12 @@ class RecomputePlan:
     def empty(self) -> bool:
         return not (self.full_layers or self.select or self.comm)
 
+    def regathers(self, layer_id: int) -> bool:
+        """Whether ``recompute_comm`` selects layer ``layer_id``'s FSDP parameter all-gather
+        (:data:`FSDP_ALL_GATHER`): FSDP then reshards that layer after its forward and gathers its
+        parameters again for backward, whatever else is recomputed in it."""
+        return any(layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER) for p, layers in self.comm)
+
 
 def _as_section(value: Any, cls: type, name: str) -> Any:
     """Accept the dataclass, a plain dict (``{"mode": "full", ...}``) or None."""

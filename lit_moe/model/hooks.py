@@ -1,0 +1,66 @@
+"""``ModelHooks``: the few places where a parallelism changes the model's math, one typed field each.
+
+The model owns one instance (``model.hooks``) whose defaults are the single-device math; its MoE
+layers share it. Tensor and context parallelism fill fields of it while they shard the model
+(:mod:`lit_moe.strategies`), instead of rebinding the model's attributes, so the model's code says
+at each point what can differ and a pipeline stage that shares the model's modules shares its hooks
+too (one reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lit_moe.model.compile import own_graph_breaks
+
+
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """x[:, i] ← x[:, i+1], the last column filled with 0 (no wrap-around)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+@dataclass
+class ModelHooks:
+    """What a parallel layout changes in the model's forward; every default is the one-device math."""
+
+    per_token_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    """``(logits [T, V_local], labels [T]) -> [T]`` cross-entropy of each token. None: the local
+    fp32 cross-entropy, and the head may fuse it with its matmul (training). Tensor parallel: the
+    vocabulary-parallel cross-entropy over this rank's vocabulary columns
+    (:func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`)."""
+
+    loss_share: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    """``(masked mean loss of this rank's tokens, their mask) -> the loss this rank reports``, applied
+    to the main head's and every MTP depth's loss. None: the loss itself. Context parallel: the
+    shard's share of the sequence's mean, times cp (:mod:`lit_moe.strategies.context_parallel`)."""
+
+    shift_left: Callable[[torch.Tensor], torch.Tensor] = shift_left
+    """The MTP input shift ``x[:, i] ← x[:, i+1]`` (zero at the end). Context parallel: the zig-zag
+    shard's shift, exchanging the chunk-boundary tokens with the other ranks."""
+
+    shard_inputs: Optional[Callable[[dict[str, Any]], tuple[dict[str, Any], Any]]] = None
+    """``(forward's tensors by name) -> (this rank's tensors, the whole sequence's masks)``, run at the
+    start of a forward (the model's and a pipeline stage's). None: the inputs as given. Context
+    parallel: this rank's zig-zag positions; the masks ride in the attention context."""
+
+    aux_stats_reduce: Optional[Callable] = None
+    """``(expert counts, probability sums, tokens) -> the same over the whole sequences``, for the
+    balancing loss (:func:`lit_moe.model.moe.load_balancing_loss`). None: this rank's tokens are whole
+    sequences. Context parallel: summed over the cp ranks."""
+
+    breaks_graphs: Callable[[nn.Module], bool] = own_graph_breaks
+    """``(module) -> whether a compiled function calling it would break its graph there`` (the
+    ``torch_compile`` switch compiles a smaller function then, :mod:`lit_moe.model.compile`). Default:
+    the modules' own account. ``parallelize``'s compile step adds the FSDP2 units (their hooks are
+    excluded from tracing)."""
+
+    def plain_loss(self) -> bool:
+        """Whether the loss is the local masked mean cross-entropy (no collective inside)."""
+        return self.per_token_loss is None and self.loss_share is None
+
+
+__all__ = ["ModelHooks", "shift_left"]
