@@ -143,9 +143,10 @@ class ParallelismConfig:
     ``gradient_sync_every_microbatch`` has no effect then). Unlike Megatron's ``optim``, the gathered
     parameters are freed after the step's last backward (FSDP2 keeps no whole copy between steps), so the
     next step gathers them again: one all-gather and one reduce-scatter per FSDP unit per step.
+    With pipelines each stage's FSDP units behave the same (torch's schedule reduces once per step).
     An explicit ``reshard_after_forward_policy`` (``always``/``never``) takes precedence (``always``
-    with ``optim`` is refused); ``optim`` with ``pipeline_parallel > 1`` is refused (not implemented);
-    layers whose ``fsdp.all_gather`` is recomputed (``recompute_comm``) gather again in each backward."""
+    with ``optim`` is refused); layers whose ``fsdp.all_gather`` is recomputed (``recompute_comm``)
+    gather again in each backward."""
     reshard_after_forward_policy: str = "default"
     """FSDP ``reshard_after_forward`` (MindFormers): ``always`` (reshard: ZeRO-3), ``never`` (keep the
     gathered parameters until backward: ZeRO-2), ``default`` (follow ``data_parallel_shard_strategy``,

@@ -119,9 +119,9 @@ def test_too_few_microbatches_names_global_batch_size():
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------
 def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False,
-            cp=1, method="colossal", u=None, docs=False, compile=False):
+            cp=1, method="colossal", u=None, docs=False, compile=False, strategy="optim_grads_params"):
     return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
-                recompute=recompute, cp=cp, method=method, u=u, docs=docs, compile=compile)
+                recompute=recompute, cp=cp, method=method, u=u, docs=docs, compile=compile, strategy=strategy)
 
 
 LAYOUTS = {
@@ -137,6 +137,9 @@ LAYOUTS = {
     "pp2_dualpipev_mtp": _layout(2, 2, schedule="dualpipev", v=2, mtp=1),
     "pp4": _layout(4, 4, mtp=1),
     "pp2_dp2": _layout(4, 2, mtp=1),
+    # ZeRO-1 under the stages' FSDP: one gather and one reduce-scatter per unit per step (A = 2)
+    "pp2_dp2_zero1": _layout(4, 2, mtp=1, strategy="optim"),
+    "pp2_dp2_zbv_zero1": _layout(4, 2, schedule="zbv", v=2, strategy="optim"),
     "pp2_ep2": _layout(4, 2, ep=2),
     "pp2_tp2": _layout(4, 2, tp=2, mtp=1),
     # context parallel inside the stages (issue 17): the stages pass [B, S/cp, H] zig-zag shards
@@ -289,6 +292,7 @@ def run_layout(name: str, out_dir: Path) -> None:
     from lit_moe.strategies import ParallelDims
     from lit_moe.strategies.pipeline import (PipelineRunner, embedding_duplicates, embedding_group,
                                              parallelize_pipeline, pipeline_grad_norm)
+    from test_step_layouts import COLLECTIVES, fsdp_units
 
     spec = LAYOUTS[name]
     dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"],
@@ -302,7 +306,7 @@ def run_layout(name: str, out_dir: Path) -> None:
     parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
                                     expert_parallel=spec["ep"], pipeline_parallel=spec["pp"],
                                     context_parallel=spec["cp"], context_parallel_method=spec["method"],
-                                    ulysses_degree_in_cp=spec["u"])
+                                    ulysses_degree_in_cp=spec["u"], data_parallel_shard_strategy=spec["strategy"])
     knobs = SimpleNamespace(pipeline_parallel=spec["pp"], pipeline_parallel_interleave_num=spec["v"],
                             pipeline_parallel_schedule=spec["schedule"],
                             pipeline_parallel_layers_per_stage=spec["ranges"])
@@ -329,9 +333,10 @@ def run_layout(name: str, out_dir: Path) -> None:
     # rank reports its share of the sequence's loss and routes its own tokens)
     dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [],
-           "schedule": type(runner.schedule).__name__}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [],
+           "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
     for step in range(STEPS):
+        COLLECTIVES.clear()
         tok = data[step, dp_rank * A:(dp_rank + 1) * A]
         extra = document_inputs(slice(dp_rank * A, (dp_rank + 1) * A)) if spec["docs"] else {}
         losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:], **extra})
@@ -344,6 +349,7 @@ def run_layout(name: str, out_dir: Path) -> None:
             _local(p.grad).mul_(coef)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        out["collectives"].append(dict(COLLECTIVES))
         moes = container.moe_layers()
         if moes:
             counts = torch.stack([_local(m.tokens_per_expert) for m in moes])
@@ -367,11 +373,14 @@ def run_layout(name: str, out_dir: Path) -> None:
 def worker(world: int, out_dir: str, only: list[str]) -> None:
     import torch.distributed as dist
 
+    from test_step_layouts import counting_collectives
+
     dist.init_process_group("gloo")
     try:
         for name, spec in LAYOUTS.items():
             if spec["world"] == world and (not only or name in only):
-                run_layout(name, Path(out_dir))
+                with counting_collectives(spec["strategy"] == "optim"):
+                    run_layout(name, Path(out_dir))
                 dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -439,6 +448,11 @@ def test_layout_matches_one_process(name, runs, references):
             assert err < (RTOL if spec["tp"] == spec["ep"] == spec["cp"] == 1 else PARAM_RTOL_REORDERED), \
                 (name, r, pname, err)
             seen_params.add(pname)
+        if spec["strategy"] == "optim":   # A = 2, yet one gather and one reduction per FSDP unit per step
+            counts = out["collectives"]   # (zbv: one unit of the V's first rank makes none)
+            assert all(c == counts[0] for c in counts) and counts[0]["all_gather"] == counts[0]["reduce_scatter"]
+            assert 0 < counts[0]["all_gather"] <= out["units"] and \
+                (spec["schedule"] == "zbv" or counts[0]["all_gather"] == out["units"]), (name, r, out["units"], counts)
         if spec["compile"]:   # every rank really compiled (no eager fallback), without graph breaks
             state = out["compiled"]
             assert state["functions"] and state["failed"] == 0 and state["graph_breaks"] == 0, (name, r, state)

@@ -14,6 +14,7 @@ the same number of loss tokens, so the mean over micro-batches and ranks is the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -165,8 +166,11 @@ def build_run(spec: dict, dp_rank_of=None):
 COLLECTIVES: dict[str, int] = {}
 
 
-def count_collectives() -> None:
-    """Wrap the two torch.distributed functions FSDP2's default communication calls (workers only)."""
+@contextlib.contextmanager
+def counting_collectives(enabled: bool = True):
+    """Count, in ``COLLECTIVES``, the calls of the two torch.distributed functions FSDP2's default
+    communication makes (workers only; not around compiled layouts, whose graphs would break on the
+    wrappers)."""
     import torch.distributed as dist
 
     def counted(name, fn):
@@ -175,8 +179,14 @@ def count_collectives() -> None:
             return fn(*args, **kwargs)
         return call
 
-    dist.all_gather_single = counted("all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = counted("reduce_scatter", dist.reduce_scatter_single)
+    saved = dist.all_gather_single, dist.reduce_scatter_single
+    if enabled:
+        dist.all_gather_single = counted("all_gather", saved[0])
+        dist.reduce_scatter_single = counted("reduce_scatter", saved[1])
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = saved
 
 
 def fsdp_units(model) -> int:
@@ -261,9 +271,9 @@ def run_layout(name: str) -> list[dict]:
 
 def worker_main(names: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)
-    count_collectives()
     for name in names:
-        rows = run_layout(name)
+        with counting_collectives(LAYOUTS[name]["strategy"] == "optim"):
+            rows = run_layout(name)
         import torch.distributed as dist
 
         if dist.get_rank() == 0:

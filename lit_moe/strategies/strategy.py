@@ -253,10 +253,6 @@ def check_parallelism_section(p: ParallelismConfig) -> None:
         raise ParallelismError(
             "parallelism.reshard_after_forward_policy: 'always' contradicts data_parallel_shard_strategy 'optim' "
             "(ZeRO-1 keeps the gathered parameters through the step); use 'default' or 'never'")
-    if is_zero1(p) and p.pipeline_parallel > 1:
-        raise ParallelismError(
-            "parallelism.data_parallel_shard_strategy: 'optim' (ZeRO-1) with pipeline_parallel > 1 is not "
-            "implemented; use 'optim_grads' or 'optim_grads_params'")
     if p.moe_token_dispatcher_type not in ("alltoall", "allgather"):
         raise ParallelismError(
             f"parallelism.moe_token_dispatcher_type: {p.moe_token_dispatcher_type!r} is not supported; "
