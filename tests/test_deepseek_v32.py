@@ -195,3 +195,18 @@ def test_graph_config_with_the_dsa_keys_converts(tmp_path, capsys):
     assert main([str(path), "-o", str(tmp_path / "x.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.dsa_indexer_use_sparse_loss: False" in err[0], err
+
+
+def test_sizing_counts_the_indexer():
+    """param_counts equals the built model's parameters; flops_per_token by hand: per layer the indexer's
+    projections 2·(32·4·16 + 64·16 + 64·4) = 6656 and causal scores 2·4·16·40/2 = 2560 (forward only),
+    and the core attention 6·(4·24/2 + 4·16/2) = 480 per key span, which top-6 of 40 cuts from 40 to
+    2·(6·7/2 + 34·6)/40 = 11.25: 3 layers · (6656 + 2560 - 480·28.75) = -13752 against dense MLA."""
+    from lit_moe.model import flops_per_token, param_counts
+
+    c = DeepseekV3Config(**V32)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(c)
+    assert param_counts(c).total_with_mtp == sum(p.numel() for p in model.parameters())
+    dense = DeepseekV3Config(**{k: v for k, v in V32.items() if not k.startswith("index_") and k != "model_type"})
+    assert flops_per_token(c, SEQ) - flops_per_token(dense, SEQ) == pytest.approx(-13752, abs=1e-6)
