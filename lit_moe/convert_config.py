@@ -118,7 +118,8 @@ _FIXED_MODEL_KEYS = {
     "res_dtype": ((None,), "the residual stream stays in compute_dtype"),
 }
 # Architectures lit_moe builds (model_type / architectures / legacy model.arch.type).
-_BUILT = ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_mtp", "DeepseekV3Config", "Qwen3MoeForCausalLM",
+_BUILT = ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_mtp", "DeepseekV3Config", "DeepseekV32ForCausalLM",
+          "deepseek_v32", "DeepseekV32Config", "Qwen3MoeForCausalLM",
           "qwen3_moe", "Qwen3MoeConfig", "Glm4MoeForCausalLM", "glm4_moe", "Glm4MoeConfig")
 # trainer.model_name of the families lit_moe builds: MindFormers builds that model without an
 # architectures / model_type key, so the conversion writes model_type.
@@ -609,8 +610,8 @@ class _Converter:
             for v in values:
                 if v is not None and v not in _BUILT:
                     raise ConfigError(f"{name}: {v!r} is not implemented: lit_moe trains DeepSeek-V3, Qwen3-MoE "
-                                      "and GLM-4-MoE architectures only (DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, "
-                                      "Glm4MoeForCausalLM)")
+                                      "and GLM-4-MoE architectures only (DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, "
+                                      "Qwen3MoeForCausalLM, Glm4MoeForCausalLM)")
                 stated = stated or v is not None
         if not stated:
             return self.check_model_name()

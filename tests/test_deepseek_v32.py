@@ -159,10 +159,54 @@ def test_indexer_gets_no_gradient_and_recompute_addresses_it():
                  **{k: V32[k] for k in ("model_type", "index_topk", "index_n_heads", "index_head_dim")})
     data = batch(base.config.vocab_size)
     model = copy.deepcopy(base)
-    apply_recompute(model, {"mode": "select", "select_module": {r"self_attention\.indexer": [0, 2],
-                                                                r"self_attn\.indexer\.wk": [1]}}, None)
+    # lit_moe's names, Hugging Face's and MindFormers' (its DSAIndexer lives in the core attention)
+    apply_recompute(model, {"mode": "select", "select_module": {
+        r"self_attention\.indexer": [0, 2], r"self_attn\.indexer\.wk": [1],
+        r"self_attention\.core_attention\.indexer\.linear_weights_proj": [1]}}, None)
     assert "forward" in vars(model.layers[0].self_attention.indexer)
     assert "forward" in vars(model.layers[1].self_attention.indexer.wk)
+    assert "forward" in vars(model.layers[1].self_attention.indexer.weights_proj)
+    assert "forward" not in vars(model.layers[1].self_attention.indexer.wq_b)
     ref, got = step(base, data), step(model, data)
     assert torch.equal(ref["loss"], got["loss"]) and ref["grads"].keys() == got["grads"].keys()
     assert all(torch.equal(ref["grads"][n], got["grads"][n]) for n in ref["grads"])
+
+
+def test_graph_config_with_the_dsa_keys_converts(tmp_path, capsys):
+    """``lit_moe convert-config`` of a graph-mode DeepSeek-V3 config (the mcore fixture) with the DSA keys of
+    MindFormers' TransformerConfig: they carry over and build the sparse attention; without
+    dsa_indexer_use_sparse_loss (MindFormers' default False: the dense warm-up) one line names it."""
+    from test_convert_families import family
+    from lit_moe.convert_config import main
+
+    keys = {"experimental_attention_variant": "dsa", "dsa_indexer_topk": 8, "dsa_indexer_n_heads": 2,
+            "dsa_indexer_head_dim": 16, "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": True}
+    path = family(tmp_path, "pretrain_mcore", **{f"model.model_config.{k}": v for k, v in keys.items()})
+    assert main([str(path), "-o", str(tmp_path / "out.yaml")]) == 0, capsys.readouterr().err
+    import yaml
+
+    model = yaml.safe_load((tmp_path / "out.yaml").read_text())["model"]
+    assert {k: model[k] for k in keys} == keys
+    c = DeepseekV3Config(**read_pynative_model_section(model))
+    assert (c.sparse_attention, c.index_topk, c.index_n_heads, c.index_head_dim) == (True, 8, 2, 16)
+    capsys.readouterr()
+    path = family(tmp_path, "pretrain_mcore", **{f"model.model_config.{k}": v for k, v in keys.items()
+                                                 if k != "dsa_indexer_use_sparse_loss"})
+    assert main([str(path), "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.dsa_indexer_use_sparse_loss: False" in err[0], err
+
+
+def test_sizing_counts_the_indexer():
+    """param_counts equals the built model's parameters; flops_per_token by hand: per layer the indexer's
+    projections 2·(32·4·16 + 64·16 + 64·4) = 6656 and causal scores 2·4·16·40/2 = 2560 (forward only),
+    and the core attention 6·(4·24/2 + 4·16/2) = 480 per key span, which top-6 of 40 cuts from 40 to
+    2·(6·7/2 + 34·6)/40 = 11.25: 3 layers · (6656 + 2560 - 480·28.75) = -13752 against dense MLA."""
+    from lit_moe.model import flops_per_token, param_counts
+
+    c = DeepseekV3Config(**V32)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(c)
+    assert param_counts(c).total_with_mtp == sum(p.numel() for p in model.parameters())
+    dense = DeepseekV3Config(**{k: v for k, v in V32.items() if not k.startswith("index_") and k != "model_type"})
+    assert flops_per_token(c, SEQ) - flops_per_token(dense, SEQ) == pytest.approx(-13752, abs=1e-6)

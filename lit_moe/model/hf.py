@@ -5,7 +5,7 @@ On-disk names are the real DeepSeek-V3 ones, which ``transformers.DeepseekV3ForC
 | ours | Hugging Face |
 |---|---|
 | ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` | ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` |
-| ``layers.{i}.self_attention.*`` | ``model.layers.{i}.self_attn.*`` |
+| ``layers.{i}.self_attention.*`` | ``model.layers.{i}.self_attn.*`` (DeepSeek-V3.2's ``indexer.*`` included) |
 | ``layers.{i}.pre_mlp_layernorm`` | ``model.layers.{i}.post_attention_layernorm`` |
 | ``layers.{i}.mlp.router.weight`` / ``.expert_bias`` | ``model.layers.{i}.mlp.gate.weight`` / ``.e_score_correction_bias`` |
 | ``layers.{i}.mlp.experts.gate_up_proj [E, H, 2I]`` | ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` / ``up_proj.weight`` ``[I, H]`` |

@@ -73,6 +73,11 @@ _LAYER_RULES: tuple[tuple[str, dict[str, str]], ...] = (
     ("self_attention.v_proj", dict.fromkeys(_MF_TREES, "self_attention.linear_qkv")),
     ("self_attention.q_norm", dict.fromkeys(_MF_TREES, "self_attention.q_layernorm")),
     ("self_attention.k_norm", dict.fromkeys(_MF_TREES, "self_attention.k_layernorm")),
+    # DeepSeek-V3.2's indexer: MindFormers' DSAIndexer sits in the core attention (gpt_layer_specs.py)
+    *((f"self_attention.indexer.{lit}", dict.fromkeys(_MF_TREES, f"self_attention.core_attention.indexer.{mf}"))
+      for lit, mf in (("wq_b", "linear_wq_b"), ("wk", "linear_wk"), ("k_norm", "k_norm"),
+                      ("weights_proj", "linear_weights_proj"))),
+    ("self_attention.indexer", dict.fromkeys(_MF_TREES, "self_attention.core_attention.indexer")),
     ("self_attention", {"huggingface": "self_attn"}),
     ("pre_mlp_layernorm", {"huggingface": "post_attention_layernorm"}),
     ("mlp.router.expert_bias", {"mindformers": "mlp.expert_bias",

@@ -3,7 +3,8 @@
 Parameters (no biases; norm weights counted, LayerNorm counts weight and bias):
 
 - MLA per layer: q (h·r_q + r_q + r_q·n·d_qk, or h·n·d_qk without q_lora) + kv (h·(r_kv + d_r) + r_kv
-  + r_kv·n·(d_n + d_v)) + o (n·d_v·h); latent norms only with ``qk_layernorm``.
+  + r_kv·n·(d_n + d_v)) + o (n·d_v·h); latent norms only with ``qk_layernorm``. DeepSeek-V3.2's
+  indexer adds r_q·n_i·d_i + h·d_i + 2·d_i (its key LayerNorm) + h·n_i.
 - dense layer = MLA + 2 norms + 3·h·F; MoE layer = MLA + 2 norms + router E·h + E·3·h·F_e
   + shared 3·h·F_s; *active* counts K of the E routed experts.
 - ``total`` / ``active``: the main model (embedding, layers, final norm, head) — what Hugging Face's
@@ -17,7 +18,11 @@ training = 3 × forward, hence the factor 6 = 2 · 3):
 - attention projections per layer: 6·[r_q(h + n·d_qk + 1) + r_kv(h + n(d_n + d_v) + 1) + h·d_r + n·d_v·h]
   (without q_lora the q term is h·n·d_qk);
 - core attention per layer: 6·(n·d_qk/2 + n·d_v/2)·s_eff, where s_eff = s for causal attention (the /2
-  is the causal discount) and, for a sliding-window layer of left size w, s_eff = 2·mean_i min(i+1, w+1);
+  is the causal discount) and, for a sliding-window layer of left size w, s_eff = 2·mean_i min(i+1, w+1)
+  (with DeepSeek-V3.2's indexer min(i+1, index_topk): the architecture's count, although lit_moe runs
+  the attention dense under the top-k mask);
+- DeepSeek-V3.2's indexer per layer, forward only (it gets no gradient): 2·(r_q·n_i·d_i + h·d_i + h·n_i)
+  for its projections + 2·n_i·d_i·s/2 for the causal scores;
 - MLP: 6·h·3F per dense layer; 6·h·3·F_e·(K + shared multiple) per MoE layer (router GEMM ignored);
 - logits: 6·h·V·(1 + D); each MTP depth adds its decoder layer and 6·(3h + 2h²).
 ``flops_per_token(..., training=False)`` returns the forward-only third.
@@ -72,7 +77,15 @@ def _attention_params(c: DeepseekV3Config) -> int:
         q = h * c.q_lora_rank + c.q_lora_rank * n * c.qk_head_dim
         q += _norm(c, c.q_lora_rank) if c.qk_layernorm else 0
     kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + latent_norm + c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
-    return q + kv + n * c.v_head_dim * h
+    return q + kv + n * c.v_head_dim * h + _indexer_params(c)
+
+
+def _indexer_params(c: DeepseekV3Config) -> int:
+    """DeepSeek-V3.2's indexer: wq_b, wk, the key LayerNorm, weights_proj (0 without one)."""
+    if not c.sparse_attention:
+        return 0
+    hi, di = c.index_n_heads, c.index_head_dim
+    return c.q_lora_rank * hi * di + c.hidden_size * di + 2 * di + c.hidden_size * hi
 
 
 def _layer_params(c: DeepseekV3Config, i: int) -> tuple[int, int]:
@@ -106,9 +119,12 @@ def param_counts(config: Union[DeepseekV3Config, dict]) -> ParamCounts:
 
 def _effective_span(c: DeepseekV3Config, layer: int, seq_len: int) -> float:
     """s_eff: twice the mean number of keys a query sees (= seq_len for full causal attention)."""
-    if not c.uses_window(layer) or c.window_size[0] < 0 or c.window_size[0] + 1 >= seq_len:
+    limits = [c.index_topk] if c.sparse_attention else []   # the indexer's top-k keys
+    if c.uses_window(layer) and c.window_size[0] >= 0:
+        limits.append(c.window_size[0] + 1)
+    w = min(limits, default=seq_len)
+    if w >= seq_len:
         return float(seq_len)
-    w = c.window_size[0] + 1
     keys = w * (w + 1) / 2 + (seq_len - w) * w      # sum_i min(i+1, w)
     return 2.0 * keys / seq_len
 
@@ -127,6 +143,9 @@ def _layer_flops(c: DeepseekV3Config, i: int, seq_len: int) -> float:
     kv = r_kv * (h + n * (c.qk_nope_head_dim + c.v_head_dim) + 1) + h * c.qk_rope_head_dim
     flops = 6.0 * (q + kv + n * c.v_head_dim * h)
     flops += 6.0 * (n * c.qk_head_dim / 2 + n * c.v_head_dim / 2) * _effective_span(c, i, seq_len)
+    if c.sparse_attention:   # the indexer runs forward only
+        hi, di = c.index_n_heads, c.index_head_dim
+        flops += 2.0 * (c.q_lora_rank * hi * di + h * di + h * hi) + 2.0 * hi * di * seq_len / 2
     return flops + _ffn_flops(c, i)
 
 
