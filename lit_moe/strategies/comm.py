@@ -96,20 +96,6 @@ class _Split(torch.autograd.Function):
         return _gather(grad, ctx.group, ctx.dim), None, None
 
 
-class _GatherForwardSplitBackward(torch.autograd.Function):
-    """All-gather whose backward keeps only the local chunk: for values every rank of the group
-    uses identically afterwards (its gradient is then the same on all ranks, not a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.group, ctx.dim), None, None
-
-
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along ``dim``; backward reduce-scatters (sums partial gradients)."""
     return _AllGather.apply(x, group, dim) if _size(group) > 1 else x
@@ -124,9 +110,6 @@ def split(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tens
     """This rank's chunk of ``dim`` (``x`` identical on all ranks); backward all-gathers."""
     return _Split.apply(x, group, dim) if _size(group) > 1 else x
 
-
-def all_gather_replicated_grad(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
-    return _GatherForwardSplitBackward.apply(x, group, dim) if _size(group) > 1 else x
 
 
 class _AllToAll(torch.autograd.Function):
