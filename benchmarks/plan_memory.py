@@ -47,6 +47,14 @@ LAYOUTS = {
     "dp2_fsdp": (2, {}, {"mode": None}, 2, {}),
     "pp2_1f1b": (2, {"pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": ["0-1", "2-2"]}, {"mode": None},
                  1, {}),
+    "tp2_sequence_parallel": (2, {"tensor_parallel": 2}, {"mode": None}, 2, {}),
+    "one_process_select": (1, {}, {"mode": "select", "select_module": {"self_attention": ["0-3"],
+                                                                       r"mlp\.experts": ["1-3"]}}, 2, {}),
+    "one_process_partial_full": (1, {}, {"mode": "full", "full_recompute_layer": [0, 1]}, 2, {}),
+    # tensor parallel, full recompute of layer 0, selective of the others (tests/test_memory_plan.py)
+    "tp2_select_partial_full": (2, {"tensor_parallel": 2}, {
+        "mode": "select", "full_recompute_layer": [0],
+        "select_module": {"self_attention": ["1-3"], r"mlp\.experts": ["1-2"]}}, 2, {}),
 }
 
 
@@ -125,7 +133,7 @@ def planned(config: Path, ranks: int) -> list[int]:
     run = plan(str(config), ranks, out=io.StringIO())
     acts = memory_plan.activations_by_rank(run["model_config"], run["dims"], run["parallelism"], run["accumulation"],
                                            run["local_batch_size"], run["seq_length"], run["full_layers"],
-                                           core_attention="math")
+                                           core_attention="math", selection=run["selection"])
     rows = memory_plan.rank_peaks(run["memory"], acts, run["parallelism"], run["memory"].get("fsdp_buffers", 0))
     return [r.total - r.params for r in rows]
 

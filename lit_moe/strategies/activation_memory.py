@@ -294,6 +294,16 @@ def head_bytes(config: Any, tokens: int, tp: int = 1) -> int:
     return norm + (T * V * a if T * V <= H * (T + V) else T * H * a + V * H * a)
 
 
+def head_transient_bytes(config: Any, tokens: int, tp: int = 1) -> int:
+    """What the vocabulary-parallel loss holds next to the softmax it keeps, at the end of the forward
+    (tensor parallel only; the fused loss of one rank works in chunks): the head's logits ``[T, V / tp]``,
+    their fp32 copy (another dtype only), and the shifted logits and their exponentials (fp32)."""
+    if tp == 1:
+        return 0
+    a = _bytes(config.torch_dtype("compute_dtype"))
+    return tokens * (config.vocab_size // tp) * (a + (4 if a != 4 else 0) + 8)
+
+
 def layer_weight_grad_bytes(config: Any, layer_idx: int, tokens: int, *, expert_rows: Optional[int] = None,
                             heads: Optional[int] = None) -> int:
     """Bytes a split backward (zero-bubble schedules) keeps between a micro-batch's input-gradient and

@@ -115,26 +115,80 @@ def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumula
     norms and residual stream split over the tensor-parallel ranks (sequence parallel), the
     ``selection`` of selective recompute (:func:`configured_selection`). ``core_attention``: ``fused``
     (GPU/NPU kernels) or ``math`` (torch's CPU path)."""
-    from lit_moe.strategies.activation_memory import model_activation_bytes, pipeline_activation_plan
+    from lit_moe.strategies.activation_memory import (head_transient_bytes, model_activation_bytes,
+                                                      pipeline_activation_plan)
 
     seq = seq_length // dims.cp
     kwargs = activation_kwargs(model_config, dims, core_attention)
     tokens = local_batch_size * seq
-    transient = max(recomputed_layer_bytes(model_config, tokens, local_batch_size, seq, recompute_layers, **kwargs),
-                    recomputed_module_bytes(model_config, tokens, local_batch_size, seq, selection or {}, **kwargs))
+    selection = selection or {}
+    math = 0
     if core_attention == "math":
         # torch's math path holds one layer's fp32 S x S scores next to its probabilities in the forward,
         # and their gradient next to them in the backward: a transient the fused kernels do not have
-        transient += 2 * local_batch_size * kwargs["heads"] * seq * seq * 4
+        math = 2 * local_batch_size * kwargs["heads"] * seq * seq * 4
+    head = head_transient_bytes(model_config, tokens, dims.tp)
     if dims.pp == 1:
-        return [transient + model_activation_bytes(model_config, tokens, local_batch_size, seq,
-                                                   recompute_layers=recompute_layers, selection=selection, **kwargs)]
+        saved = model_activation_bytes(model_config, tokens, local_batch_size, seq, recompute_layers=recompute_layers,
+                                       selection=selection, **kwargs)
+        return [math + max(saved + head, backward_recompute_peak(model_config, tokens, local_batch_size, seq,
+                                                                 recompute_layers, selection, saved, **kwargs))]
     from lit_moe.strategies.pipeline import PipelineLayout
 
+    # with pipelines the recomputed layer's transient is counted on top of the schedule's peak (an upper bound)
+    transient = math + max((recompute_extra_bytes(model_config, i, tokens, local_batch_size, seq, recompute_layers,
+                                                  selection, **kwargs)
+                            for i in set(recompute_layers) | set(selection)), default=0)
     layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq,
                                     recompute_layers=recompute_layers, selection=selection, **kwargs)
-    return [transient + row["bytes"] for row in rows]
+    last = layout.num_stages - 1
+    return [transient + row["bytes"] + (head if last in layout.stages_of(r) else 0) for r, row in enumerate(rows)]
+
+
+def backward_recompute_peak(model_config: Any, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
+                            selection: dict, saved: int, **kwargs: Any) -> int:
+    """Without pipelines: the most held while the backward reruns a recomputed layer (or module), the
+    backward going from the MTP depths (head, then layer) to the main head and down the decoder layers,
+    each freeing its saved tensors: what is still held when layer ``i`` reruns, plus what its rerun
+    saves again. ``saved``: the whole forward's saved bytes (:func:`model_activation_bytes`)."""
+    from lit_moe.strategies.activation_memory import head_bytes, layer_activation_bytes
+
+    L = model_config.num_hidden_layers
+    head = head_bytes(model_config, tokens, kwargs.get("tp", 1))
+    order = [("head", L + j) for j in reversed(range(getattr(model_config, "num_nextn_predict_layers", 0) or 0))]
+    order = [step for mtp in order for step in (("head", None), ("layer", mtp[1]))]
+    order += [("head", None)] + [("layer", i) for i in reversed(range(L))]
+    held, peak = saved, 0
+    for kind, i in order:
+        if kind == "head":
+            held -= head
+            continue
+        extra = recompute_extra_bytes(model_config, i, tokens, batch, seq, recompute_layers, selection, **kwargs)
+        if extra:
+            peak = max(peak, held + extra)
+        ck, out = selection.get(i, ((), ()))
+        held -= layer_activation_bytes(model_config, i, tokens, batch, seq, recompute=i in recompute_layers,
+                                       checkpointed=ck, output_recomputed=out, **kwargs)
+    return peak
+
+
+def recompute_extra_bytes(model_config: Any, i: int, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
+                          selection: dict, **kwargs: Any) -> int:
+    """What layer ``i``'s backward saves again when it reruns its forward: a fully recomputed layer its
+    activations beyond the input it kept, a selectively recomputed one the largest checkpointed module's
+    tensors (0 for a layer without recompute)."""
+    from lit_moe.strategies.activation_memory import layer_activation_bytes
+
+    def kept(**recompute: Any) -> int:
+        return layer_activation_bytes(model_config, i, tokens, batch, seq, **recompute, **kwargs)
+
+    if i in recompute_layers:
+        return kept() - kept(recompute=True)
+    checkpointed, output_recomputed = selection.get(i, ((), ()))
+    return max((kept(checkpointed=tuple(q for q in checkpointed if q != p), output_recomputed=output_recomputed)
+                - kept(checkpointed=checkpointed, output_recomputed=output_recomputed) for p in checkpointed),
+               default=0)
 
 
 def activation_kwargs(model_config: Any, dims: Any, core_attention: str = "fused") -> dict[str, Any]:
@@ -144,31 +198,6 @@ def activation_kwargs(model_config: Any, dims: Any, core_attention: str = "fused
     fsdp = dims.world_size // dims.pp > 1
     return dict(heads=model_config.num_attention_heads // dims.tp, tp=dims.tp, core_attention=core_attention,
                 weight_copies=False if fsdp else None, fused_weights=not fsdp)
-
-
-def recomputed_layer_bytes(model_config: Any, tokens: int, batch: int, seq: int, recompute_layers: frozenset,
-                           **kwargs: Any) -> int:
-    """A fully recomputed layer saves its whole activations again when its backward reruns its forward:
-    the largest such layer's bytes beyond the input it kept (0 without full recompute)."""
-    from lit_moe.strategies.activation_memory import layer_activation_bytes
-
-    return max((layer_activation_bytes(model_config, i, tokens, batch, seq, **kwargs)
-                - layer_activation_bytes(model_config, i, tokens, batch, seq, recompute=True, **kwargs)
-                for i in recompute_layers), default=0)
-
-
-def recomputed_module_bytes(model_config: Any, tokens: int, batch: int, seq: int, selection: dict,
-                            **kwargs: Any) -> int:
-    """Likewise for selective recompute: a checkpointed module's backward saves its tensors again for a
-    moment, the largest such module's."""
-    from lit_moe.strategies.activation_memory import layer_activation_bytes
-
-    def kept(i: int, checkpointed: tuple, output_recomputed: tuple) -> int:
-        return layer_activation_bytes(model_config, i, tokens, batch, seq, checkpointed=checkpointed,
-                                      output_recomputed=output_recomputed, **kwargs)
-
-    return max((kept(i, tuple(q for q in ck if q != p), out) - kept(i, ck, out)
-                for i, (ck, out) in selection.items() for p in ck), default=0)
 
 
 def fits_line(need: RankPeak, have: int, what: str, alternatives: list[tuple[str, RankPeak]]) -> str:
