@@ -102,3 +102,29 @@ class MoEAuxRecorder(Callback):
         self.micro = []
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class FrozenBaseWatch(Callback):
+    """LoRA: what training did to the parameters, written as JSON to ``path`` by rank 0 when training
+    ends: ``changed``, the parameters whose full tensor differs in any bit from the one at the start
+    of training; ``trainable``, those with ``requires_grad``; ``with_grad``, those that held a gradient
+    before an optimizer step; ``optimizer``, those the optimizer holds state for."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.before, self.with_grad = path, {}, set()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.before = {n: _full(p) for n, p in pl_module.model.named_parameters()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.with_grad |= {n for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        params = dict(pl_module.model.named_parameters())
+        changed = sorted(n for n, p in params.items() if not torch.equal(_full(p), self.before[n]))
+        names = {id(p): n for n, p in params.items()}
+        held = sorted(names[id(p)] for opt in trainer.optimizers for p, s in opt.state.items() if s)
+        if trainer.global_rank == 0:
+            with open(self.path, "w") as f:
+                json.dump({"changed": changed, "with_grad": sorted(self.with_grad), "optimizer": held,
+                           "trainable": sorted(n for n, p in params.items() if p.requires_grad)}, f)

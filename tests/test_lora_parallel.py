@@ -1,212 +1,172 @@
-"""LoRA and evaluation under the parallel layouts (FSDP2 over data parallel, tensor parallel, expert
-parallel): a few AdamW steps of the adapted tiny MoE model in real gloo processes match the same
-steps in one process (loss, pre-clip grad norm, the trained adapters), the base weights stay
-bit-identical, the optimizer holds state for the adapters only, and the evaluation pass
-(``lit_moe.evaluation.Evaluation``) gives the one-process ``val/loss``."""
+"""LoRA under tensor and expert parallel through the real path: ``lit_moe fit`` with a ``lora_config``
+section (docs/lora.md) under ``torch.distributed.run`` on 2 gloo ranks, tensor parallel 2 and then
+expert parallel 2 (FSDP2 over 2 data-parallel ranks, the routed experts and their adapters split 2
+ways) in one launch (this file, launched, runs the CLI's ``main`` for each layout in turn), against
+the one-process run of the same YAML in this process: the loss and pre-clip gradient norm of every
+step and the validation loss (the DataModule's valid split) at full precision, every adapter tensor
+of the saved checkpoint, the frozen base weights (random norm weights) unchanged in every bit by
+training and equal in every bit to the one-process run's, no gradient and no optimizer state for
+them, and a saved checkpoint that loads into the one-process model."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_parallel_numerics import model_section, train
-from helpers import scaled  # noqa: E402
+from helpers import ROOT, child_env, cli_in_process, scaled, tiny_config, write_config
 
-LORA = dict(target_modules=r"(q_a_proj|q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj|experts)$",
-            lora_rank=4, lora_alpha=8, lora_b_std=0.02)
 STEPS = 3
-LAYOUTS = {"dp2": dict(tp=1, ep=1), "tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
+# every linear layer and the routed experts: replicated (q_a_proj, kv_a_proj_with_mqa), column-parallel
+# (q_b_proj, kv_b_proj, gate/up_proj), row-parallel (o_proj, down_proj) adapters, MTP's eh_proj
+LORA = {"target_modules": ".*", "lora_rank": 4, "lora_alpha": 8, "lora_b_std": 0.02}
+# the parallel layouts: command-line overrides of the one YAML (2 data-parallel ranks read eval_iters
+# micro-batches each: one each is the one process's two)
+LAYOUTS = {"tp2": ["--parallelism.tensor_parallel", "2"],
+           "ep2": ["--parallelism.expert_parallel", "2", "--training.eval_iters", "1"]}
+CHECKPOINT = f"ckpt/iteration_{STEPS:08d}"
 
 
-def adapted(model):
-    from lit_moe.lora import apply_lora
-
-    apply_lora(model, LORA)
-    return model
-
-
-def finish(model):
-    from lit_moe.lora import freeze_base, init_adapters
-
-    init_adapters(model, 11)
-    return freeze_base(model)
-
-
-def full(t):
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).float()
+def lora_config(tmp_path: Path) -> Path:
+    """The run's YAML, with paths relative to the run's directory (every run reads this one file)."""
+    cfg = tiny_config(tmp_path, steps=STEPS)
+    cfg["model"]["compute_dtype"] = "float32"
+    cfg["lora_config"] = dict(LORA)
+    cfg["training"].update(eval_interval=STEPS, eval_iters=2)
+    dl = cfg["train_dataset"]["dataloader"]
+    dl["sizes"], dl["config"]["split"] = [32, 16, 0], "8, 2, 0"
+    cfg["checkpoint"].update(enable_save=True, save_path="ckpt", save_interleaved_steps=STEPS)
+    cfg["monitor"]["tensorboard"]["output_dir"] = "tb"
+    # frozen norms at 1 + 0.2·N(0,1): a base weight moved to another rank's place shows
+    cfg["callbacks"] = [{"class_path": "capture_callbacks.RandomNorms", "init_args": {"seed": 7}},
+                        {"class_path": "capture_callbacks.StepRecorder", "init_args": {"path": "steps.jsonl"}},
+                        {"class_path": "capture_callbacks.FrozenBaseWatch", "init_args": {"path": "base.json"}}]
+    return write_config(tmp_path, cfg, "lora.yaml")
 
 
-def summary(model, result) -> dict:
-    from lit_moe.lora import is_adapter_name
-
-    adapters = {n: full(p).tolist() for n, p in model.named_parameters() if is_adapter_name(n)}
-    base_norm = sum(float(full(p).double().pow(2).sum()) for n, p in model.named_parameters()
-                    if not is_adapter_name(n))
-    return {"loss": result["loss"], "grad_norm": result["grad_norm"], "adapters": adapters, "base_sq": base_norm,
-            "state_bytes": result["optimizer_state_bytes"]}
+def fit_argv(config: Path, layout: str | None = None) -> list[str]:
+    return ["fit", "--config", str(config), "--trainer.enable_progress_bar", "false", *LAYOUTS.get(layout, [])]
 
 
-EVAL_ITERS, EVAL_BATCH = 2, 2
+def run_layouts(config: Path, names: list[str]) -> None:
+    """In each launched process: ``lit_moe fit`` of every layout in turn, each in its own directory."""
+    from lit_moe.cli import main
 
-
-def eval_samples() -> list[dict]:
-    import numpy as np
-
-    g = torch.Generator().manual_seed(99)
-    rows = torch.randint(0, model_section(1)["vocab_size"], (16, model_section(1)["seq_length"] + 1), generator=g)
-    return [{"input_ids": r[:-1].numpy().astype(np.int64), "labels": r[1:].numpy().astype(np.int64)} for r in rows]
-
-
-def val_loss(model, dp_rank: int = 0, dp: int = 1) -> float:
-    """The evaluation callback's pass on this rank's share of ``eval_samples`` (same values whatever
-    the layout: the valid-split reading of a rank depends only on its data-parallel rank)."""
-    from types import SimpleNamespace
-
-    from lit_moe.evaluation import Evaluation
-
-    ev = Evaluation(eval_interval=1, eval_iters=EVAL_ITERS, local_batch_size=EVAL_BATCH)
-    ev.dataset = eval_samples()
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
-                              datamodule=SimpleNamespace(dp_rank=dp_rank, dp_size=dp))
-    return ev.evaluate(trainer, SimpleNamespace(model=model))
-
-
-def reference() -> dict:
-    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    with torch.device("meta"):
-        model = adapted(DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(1))))
-    model.to_empty(device="cpu")
-    model.init_weights(7)
-    finish(model)
-    before = summary(model, {"loss": [], "grad_norm": [], "optimizer_state_bytes": 0})
-    out = summary(model, train(model, steps=STEPS))
-    out["base_sq_before"] = before["base_sq"]
-    import numpy as np
-
-    # by hand: the mean masked CE of the 2 data-parallel ranks' micro-batches (a 2-rank layout's view)
-    model.eval()
-    with torch.no_grad():
-        samples, losses = eval_samples(), []
-        for k in range(EVAL_ITERS):
-            for r in range(2):
-                rows = samples[(k * 2 + r) * EVAL_BATCH:(k * 2 + r + 1) * EVAL_BATCH]
-                ids = torch.as_tensor(np.stack([s["input_ids"] for s in rows]))
-                labels = torch.as_tensor(np.stack([s["labels"] for s in rows]))
-                logits = model(ids).logits
-                losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                                      labels.reshape(-1))))
-    model.train()
-    out["val_loss_dp2"] = sum(losses) / len(losses)
-    out["val_loss_one_rank"] = val_loss(model)
-    out["adapter_elements"] = sum(len(torch.tensor(v).flatten()) for v in out["adapters"].values())
-    return out
-
-
-def run_layout(name: str) -> dict:
-    import torch.distributed as dist
-
-    from lit_moe.config import ParallelismConfig
-    from lit_moe.lora import is_adapter_name
-    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-    from lit_moe.strategies import ParallelDims
-    from lit_moe.strategies.parallelize import parallelize
-
-    spec = LAYOUTS[name]
-    dims = ParallelDims(2, dp_shard=-1, tp=spec["tp"], ep=spec["ep"])
-    dims.build_meshes("cpu")
-    cfg = DeepseekV3Config(**model_section(1))
-    with torch.device("meta"):
-        model = adapted(DeepseekV3ForCausalLM(cfg))
-    parallel = ParallelismConfig(tensor_parallel=spec["tp"], expert_parallel=spec["ep"])
-    model = parallelize(model, dims, parallel, model_config=cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(7)
-    finish(model)
-    base_before = {n: full(p).clone() for n, p in model.named_parameters() if not is_adapter_name(n)}
-    dp_mesh = dims.mesh("dp")
-    result = train(model, dims, dp_rank=dp_mesh.get_local_rank(), dp=dims.dp, count_group=dp_mesh.get_group(),
-                   steps=STEPS)
-    state = torch.tensor([float(result["optimizer_state_bytes"])])
-    dist.all_reduce(state)
-    result["optimizer_state_bytes"] = float(state)
-    out = summary(model, result)
-    out["val_loss"] = val_loss(model, dp_mesh.get_local_rank(), dims.dp)
-    out["dp"] = dims.dp
-    out["frozen_with_grad"] = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-    # every element of every frozen shard, bit for bit (a sum of squares would hide a moved element)
-    out["base_changed"] = [n for n, p in model.named_parameters()
-                           if not is_adapter_name(n) and not torch.equal(full(p), base_before[n])]
-    return out
-
-
-def worker_main(out_dir: str, names: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    launch = dict(os.environ)
     for name in names:
-        result = run_layout(name)
-        if dist.get_rank() == 0:
-            Path(out_dir, f"{name}.json").write_text(json.dumps(result))
-        dist.barrier()
-    dist.destroy_process_group()
+        # each fit rendezvouses afresh, as a restart attempt of torchrun does (lit_moe.elastic): the
+        # launch's variables back (the previous fit moved MASTER_PORT to its own store), a run id of its own
+        os.environ.clear()
+        os.environ.update(launch, TORCHELASTIC_RUN_ID=f"{launch.get('TORCHELASTIC_RUN_ID', '')}-{name}")
+        os.chdir(config.parent / name)
+        if main(fit_argv(config, name)) != 0:
+            raise SystemExit(f"lit_moe fit ({name}) failed")
+
+
+def checkpoint(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of the saved checkpoint, loaded into the one-process adapted model (any
+    layout's checkpoint loads there), and the names of the optimizer's saved tensors."""
+    from lit_moe.checkpoint.iteration import IterationReader, load_module
+    from lit_moe.lora import apply_lora
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    import yaml
+
+    cfg = yaml.safe_load((run_dir.parent / "lora.yaml").read_text())
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**cfg["model"], "compute_dtype": "float32"}))
+    apply_lora(model, cfg["lora_config"])
+    model.to_empty(device="cpu")
+    model.init_weights(0)   # other values than the run's: the load must overwrite every tensor
+    reader = IterationReader(run_dir / CHECKPOINT)
+    load_module(model, reader)
+    return {**{n: p.detach().clone() for n, p in model.named_parameters()},
+            "optimizer_keys": sorted(reader.index("opt").keys())}
+
+
+def run_record(run_dir: Path) -> dict:
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    return {"steps": steps, "val": json.loads((run_dir / "steps.jsonl.val.json").read_text()),
+            "base": json.loads((run_dir / "base.json").read_text()), "tensors": checkpoint(run_dir)}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_layouts")
-    launch_self(out, list(LAYOUTS))
-    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-
-
-def launch_self(out: Path, names: list[str]) -> None:
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_layouts")
+    config = lora_config(tmp)
+    for name in ["one", *LAYOUTS]:
+        (tmp / name).mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--worker", str(out), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(400), cwd=str(root))
-    if proc.returncode != 0:
-        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+           str(Path(__file__).resolve()), "--layouts", str(config), *LAYOUTS]
+    launch = subprocess.Popen(cmd, cwd=tmp, env=child_env(ROOT / "tests"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:   # the one-process run meanwhile, in this process (it needs no isolation)
+        capfd = _NoCapture()
+        one = cli_in_process(fit_argv(config), capfd, cwd=tmp / "one")
+        assert one.returncode == 0
+        out, _ = launch.communicate(timeout=scaled(600))
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == 0, out[-6000:]
+    return {name: run_record(tmp / name) for name in ["one", *LAYOUTS]}
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference()
+class _NoCapture:
+    """``cli_in_process`` without pytest's capfd (the fixture is module-scoped): output goes to the
+    terminal / pytest's own capture."""
+
+    def readouterr(self):
+        return "", ""
 
 
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_lora_layout_matches_one_process(name, results, ref):
-    got = results[name]
-    assert got["frozen_with_grad"] == []
-    assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=1e-6), name
-    assert torch.allclose(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-4, atol=1e-7)
-    assert set(got["adapters"]) == set(ref["adapters"])
-    worst = max(float((torch.tensor(got["adapters"][k]) - torch.tensor(v)).abs().max() / torch.tensor(v).abs().max())
-                for k, v in ref["adapters"].items())
-    # worst adapter element relative to the tensor's largest: measured 1.5e-5 (dp2), 6.3e-5 (tp2), 1.4e-5 (ep2)
-    assert worst <= 6e-4, (name, worst)
-    # frozen base: every element unchanged by training; the same initial weights as the reference
-    assert got["base_changed"] == []
-    assert got["base_sq"] == pytest.approx(ref["base_sq_before"], rel=1e-9)
-    assert ref["base_sq"] == ref["base_sq_before"]
-    # AdamW moments (exp_avg, exp_avg_sq) exist for the adapters only, summed over both ranks' shards
-    # (replicated adapters under tensor parallel are held by both ranks)
-    assert ref["state_bytes"] == 2 * 4 * ref["adapter_elements"]
-    assert ref["state_bytes"] <= got["state_bytes"] <= 2 * ref["state_bytes"]
-    # evaluation: the one-process pass over the same samples, by hand (dp2 reads 2 ranks' samples)
-    want = ref["val_loss_dp2"] if got["dp"] == 2 else ref["val_loss_one_rank"]
-    assert got["val_loss"] == pytest.approx(want, rel=1e-5), name
+def test_lora_through_the_cli_matches_one_process(name, runs):
+    got, ref = runs[name], runs["one"]
+    assert [r["step"] for r in got["steps"]] == [r["step"] for r in ref["steps"]] == list(range(1, STEPS + 1))
+    # full precision, relative: measured worst 7.1e-8 (loss, MTP loss, pre-clip grad norm; tp2 and ep2)
+    for g, r in zip(got["steps"], ref["steps"]):
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert _rel(g[key], r[key]) <= 5e-7, (name, g["step"], key, g[key], r[key])
+    assert ref["steps"][0]["loss"] != ref["steps"][-1]["loss"]
+    # the validation loss on the same samples: measured 0.0 (tp2, ep2); bound a few fp32 ulps
+    assert sorted(got["val"]) == sorted(ref["val"]) == [str(STEPS)]
+    assert _rel(got["val"][str(STEPS)], ref["val"][str(STEPS)]) <= 5e-7, (name, got["val"], ref["val"])
+    adapters = sorted(n for n in ref["tensors"] if n.endswith(("lora_a", "lora_b")))
+    assert len(adapters) > 40
+    for run in (got, ref):
+        # training moved every adapter and no base weight (in any bit); no base weight had a gradient,
+        # requires_grad or optimizer state
+        base = run["base"]
+        assert base["changed"] == base["with_grad"] == base["trainable"] == base["optimizer"] == adapters, name
+        # the saved optimizer state: the adapters' AdamW moments and steps only
+        saved = {k.split("/")[1] for k in run["tensors"]["optimizer_keys"]}
+        assert saved == {"model." + n for n in adapters}, (name, sorted(saved - {"model." + n for n in adapters}))
+    # the saved checkpoint, loaded into the one-process model: base weights equal in every bit to the
+    # one process's (layout-independent initialisation, frozen), every adapter close
+    gt, rt = got["tensors"], ref["tensors"]
+    assert set(gt) == set(rt)
+    worst = {}
+    for key, want in rt.items():
+        if key in adapters:
+            worst[key] = float((gt[key] - want).abs().max() / want.abs().max())
+        elif key != "optimizer_keys":
+            assert torch.equal(gt[key], want), (name, key)
+    # worst adapter element relative to its tensor's largest: measured 7.0e-5 (tp2), 7.7e-5 (ep2) after
+    # three AdamW steps (whose normalised updates magnify the last bits of tiny gradients)
+    assert max(worst.values()) <= 5e-4, (name, sorted(worst.items(), key=lambda kv: -kv[1])[:3])
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
-    i = sys.argv.index("--worker")
-    worker_main(sys.argv[i + 1], sys.argv[i + 2:])
+if __name__ == "__main__" and sys.argv[1:2] == ["--layouts"]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_layouts(Path(sys.argv[2]), sys.argv[3:])
