@@ -399,10 +399,12 @@ def build_run(cfg: Any) -> Run:
     run.accumulation_steps = accumulation
     run.seq_length = seq_length
     run.ckpt_path = load.ckpt_path
-    run.module = LitMoE(model_config, optimizer_section, lr_section, training, accumulation,
-                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"), batch_ramp=ramp)
+    first_accumulation = accumulation if ramp is None else ramp.accumulation_at(0)
+    run.module = LitMoE(model_config, optimizer_section, lr_section, training, first_accumulation,
+                        weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
-                                        seed=training.seed, seq_length=seq_length)
+                                        seed=training.seed, seq_length=seq_length, accumulation_steps=accumulation,
+                                        batch_ramp=ramp)
     # Megatron-style splits know their sample count here (MindRecord files are counted when read)
     split_sizes = getattr(run.datamodule.spec, "sizes", None)
     step_samples = accumulation * training.local_batch_size * dims.dp

@@ -1,10 +1,11 @@
 """The LightningModule: the PyNative training step of MindFormers on top of Lightning.
 
-One ``training_step`` call is one optimizer step (Lightning's ``dataloader_iter`` form): it takes the
-``A`` micro-batches of the step from the iterator, runs :meth:`LitMoE.forward_backward` over them
-(each objective scaled by ``1/A``; a pipeline schedule replaces this method), then finishes the
-step: global gradient norm (fp32, every mesh) → gradient observers → skip guards → clipping →
-optimizer and LR schedule → expert-bias update from the token counts of the whole step, summed over
+One ``training_step`` call is one optimizer step: the batch is the step, a list of its ``A``
+micro-batches, formed by the DataModule (:class:`~lit_moe.data.datamodule.StepSampler`) and moved to
+the device by Lightning as any batch. It runs :meth:`LitMoE.forward_backward` over them (each
+objective scaled by ``1/A``; a pipeline schedule replaces this method), then finishes the step:
+global gradient norm (fp32, every mesh) → gradient observers → skip guards → clipping → optimizer
+and LR schedule → expert-bias update from the token counts of the whole step, summed over
 micro-batches and data-parallel ranks. It publishes a frozen :class:`~lit_moe.step.StepMetrics`.
 So ``on_train_batch_end`` fires once per optimizer step, and a stop (``max_time``, a callback's
 ``should_stop``) can only happen between steps. Manual optimization keeps that order explicit and
@@ -15,8 +16,7 @@ lets a guard skip an update without touching the optimizer state. The strategy i
 from __future__ import annotations
 
 import time
-import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,16 +27,9 @@ from lit_moe.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.optim import step_on_device
 from lit_moe.preemption import agree_on_signal, signal_flags
-from lit_moe.schedules import BatchRamp
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
-
-# Lightning calls the iterator form of training_step experimental and warns that consuming several
-# batches per call misaligns `batch_idx` and does not mix with its own accumulation: LitMoE consumes
-# exactly A batches per call on purpose and accumulates itself, and no hook of ours reads batch_idx.
-for _message in ("You are using the `dataloader_iter` step flavor", "Found `dataloader_iter` argument"):
-    warnings.filterwarnings("ignore", message=_message)
 
 
 def _as_float64(t: torch.Tensor) -> torch.Tensor:
@@ -58,13 +51,11 @@ class LitMoE(LightningModule):
         optimizer: the ``optimizer:`` section (see :func:`lit_moe.optim.build_optimizer`).
         lr_scheduler: the ``lr_scheduler:`` section (see :func:`lit_moe.schedules.build_lr_lambda`).
         training: the ``training:`` section.
-        accumulation_steps: micro-batches per optimizer step on each rank (``A``).
+        accumulation_steps: micro-batches per optimizer step on each rank (``A``) until the first step
+            arrives; from then on, the micro-batches of the current (or last) step.
         weights_loader: called with the materialised model after initialisation, to load weights
             only (fine-tuning from a checkpoint or a Hugging Face directory).
         lora: the ``lora_config`` section (:func:`lit_moe.lora.lora_settings`); None: no adapters.
-        batch_ramp: ``training.rampup_batch_size`` (:class:`~lit_moe.schedules.BatchRamp`): each step's
-            ``A`` is read from it before the step, from the samples the steps before it consumed; None:
-            ``accumulation_steps`` throughout.
     """
 
     def __init__(
@@ -76,7 +67,6 @@ class LitMoE(LightningModule):
         accumulation_steps: int = 1,
         weights_loader: Optional[Callable[[torch.nn.Module], None]] = None,
         lora: Any = None,
-        batch_ramp: Optional[BatchRamp] = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -84,9 +74,8 @@ class LitMoE(LightningModule):
         self.optimizer_section = dict(optimizer)
         self.lr_scheduler_section = dict(lr_scheduler)
         self.training_config = training
-        self.batch_ramp = batch_ramp
-        self.accumulation_steps = int(accumulation_steps if batch_ramp is None else batch_ramp.accumulation_at(0))
-        self._step_first_sample = 0   # samples consumed before the current step (ramp-up)
+        self.accumulation_steps = int(accumulation_steps)
+        self._step_samples = 0   # this rank's samples of the current (or last) step
         self.weights_loader = weights_loader
         from lit_moe.lora import check_lora_targets, lora_settings
 
@@ -95,11 +84,7 @@ class LitMoE(LightningModule):
             check_lora_targets(model_config, self.lora)   # a pattern matching nothing fails here, not on the ranks
         self.model: Optional[DeepseekV3ForCausalLM] = None
         self.step_metrics: Optional[StepMetrics] = None   # the last finished step
-        self.step_finished = False   # whether the last training_step call finished one
         self.skipped_steps = 0   # host count; the steps' own skips add up on the device (see the property)
-        # Micro-batches of a step whose epoch ran out before the step was complete: the step goes
-        # on with the next epoch's first micro-batches (as when every batch was its own call).
-        self._carried: list[Batch] = []
         self._last_step_end: Optional[float] = None         # wall clock of the previous step's end
         self._reset_step_accumulators()
 
@@ -202,115 +187,26 @@ class LitMoE(LightningModule):
         self._step_start = time.perf_counter()
         self._tokens = 0
 
-    def _transfer(self, batch: Any) -> Batch:
-        """What Lightning does to a batch before ``training_step(batch, batch_idx)``: the precision
-        plugin's input conversion, then ``on_before_batch_transfer`` → device → ``on_after_batch_transfer``
-        (the DataModule counts consumed samples there)."""
-        trainer = self.trainer
-        batch = trainer.precision_plugin.convert_input(batch)
-        batch = self._on_before_batch_transfer(batch, dataloader_idx=0)
-        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-
-    def _take_micro_batches(self, dataloader_iter: Iterator) -> list[Batch]:
-        """The ``A`` micro-batches of this step, on the device.
-
-        A step whose epoch runs out of data goes on with the next epoch's first micro-batches (as when
-        every micro-batch was its own call). When the loader has a length, the last ``< A``
-        micro-batches of an epoch are taken with the step before them, so this call is the epoch's
-        last and ``on_train_batch_end`` still fires once per optimizer step; an unsized loader ends
-        the epoch with ``StopIteration`` from the next call instead (Lightning then fires the batch
-        hooks once without a step)."""
-        batches, self._carried = self._carried, []
-        while len(batches) < self.accumulation_steps:
-            try:
-                batch, _, _ = next(dataloader_iter)
-            except StopIteration:
-                self._set_aside(batches)
-                raise
-            batches.append(self._transfer(batch))
-        length = dataloader_iter.length  # Lightning's iterator knows the epoch's length (None: unsized)
-        if length is not None and 0 < length - dataloader_iter.fetched < self._next_accumulation():
-            self._set_aside([self._transfer(b) for b, _, _ in dataloader_iter])
-        return batches
-
     @property
     def consumed_samples(self) -> int:
-        """Global samples trained on so far: the DataModule's count (what its loader's saved state
-        holds and a resume continues after), the run's one consumed-samples number. With other data:
-        steps × the samples of one step (accumulation × local batch × data parallel)."""
+        """Global samples trained on so far: the DataModule's sampler position (what its loader's saved
+        state holds and a resume continues after), the run's one consumed-samples number. With other
+        data: steps × the samples of one step (accumulation × local batch × data parallel)."""
         from lit_moe.data import MegatronDataModule
 
         dm = self.trainer.datamodule
         if isinstance(dm, MegatronDataModule):
             return dm.consumed_samples
-        if self.batch_ramp is not None:
-            return self.batch_ramp.samples_after(self.trainer.global_step)
         return (self.trainer.global_step * self.accumulation_steps * self.training_config.local_batch_size
                 * self.step_strategy.parallel_dims.dp)
 
-    def _dm_samples(self, batches: list[Batch], sign: int) -> None:
-        """Move the DataModule's consumed-samples count by the samples of ``batches`` (it counts a
-        micro-batch when it reaches the device)."""
-        from lit_moe.data import MegatronDataModule
-
-        dm = self.trainer.datamodule
-        if isinstance(dm, MegatronDataModule):
-            dm.consumed_samples += sign * sum(int(b["input_ids"].shape[0]) for b in batches) * dm.dp_size
-
-    def _set_aside(self, batches: list[Batch]) -> None:
-        """Micro-batches at the end of an epoch that do not make a whole step. They are not trained
-        on yet, so their samples are given back (a checkpoint of this step resumes with them); when
-        another epoch follows they are kept for its first step and counted again as it starts."""
-        if not batches:
-            return
-        self._dm_samples(batches, -1)
-        trainer = self.trainer
-        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
-        if not last_epoch:
-            self._carried = batches
-
-    def on_train_epoch_start(self) -> None:
-        # Before Lightning creates this epoch's data iterator (the sampler starts where the count is).
-        self._dm_samples(self._carried, +1)
-
-    def _ramp_up(self) -> None:
-        """``training.rampup_batch_size``: this step's ``A`` from the samples the steps before it
-        consumed (MindFormers reads its batch-size schedule at the same point)."""
-        if self.batch_ramp is None:
-            return
-        from lit_moe.data import MegatronDataModule
-
-        dm = self.trainer.datamodule
-        if isinstance(dm, MegatronDataModule):   # less the carried micro-batches: counted, not trained yet
-            carried = sum(int(b["input_ids"].shape[0]) for b in self._carried) * dm.dp_size
-            self._step_first_sample = dm.consumed_samples - carried
-        else:
-            self._step_first_sample = self.batch_ramp.samples_after(self.trainer.global_step)
-        self.accumulation_steps = self.batch_ramp.accumulation_at(self._step_first_sample)
-
-    def _next_accumulation(self) -> int:
-        """``A`` of the step after this one."""
-        if self.batch_ramp is None:
-            return self.accumulation_steps
-        ramp = self.batch_ramp
-        return ramp.accumulation_at(self._step_first_sample + self.accumulation_steps * ramp.samples_per_micro_batch)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples of the current (or last) optimizer step: ``training.global_batch_size``, or with a
-        ramp-up the batch it gives this step."""
-        if self.batch_ramp is None:
-            return self.training_config.global_batch_size
-        return self.accumulation_steps * self.batch_ramp.samples_per_micro_batch
-
-    def training_step(self, dataloader_iter: Iterator) -> None:
-        self.step_finished = False   # read by the batch-end hooks (lit_moe.step.finished_a_step)
-        self._ramp_up()
-        micro_batches = self._take_micro_batches(dataloader_iter)
+    def training_step(self, batch: list[Batch], batch_idx: int = 0) -> None:
+        """One optimizer step; ``batch``: the step's micro-batches on the device."""
+        self.accumulation_steps = len(batch)
+        self._step_samples = sum(int(b["input_ids"].shape[0]) for b in batch)
         self._reset_step_accumulators()
-        self.forward_backward(micro_batches)
+        self.forward_backward(batch)
         self._finish_optimizer_step()
-        self.step_finished = True
 
     def forward_backward(self, micro_batches: list[Batch]) -> None:
         """Forward and backward of each micro-batch of one step, gradients accumulated in ``p.grad``
@@ -490,8 +386,11 @@ class LitMoE(LightningModule):
     # ------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lit_moe"] = {"skipped_steps": self.skipped_steps}
-        if self.batch_ramp is not None:   # informative: a resume reads its batch from the consumed samples
-            checkpoint["lit_moe"]["global_batch_size"] = self.global_batch_size
+        step_batch = self._step_samples * self.step_strategy.parallel_dims.dp
+        if step_batch and step_batch != self.training_config.global_batch_size:
+            # informative (a ramp-up step, a dropped remainder): a resume reads its batch from the
+            # consumed samples
+            checkpoint["lit_moe"]["global_batch_size"] = step_batch
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("lit_moe", {}).get("skipped_steps", 0))

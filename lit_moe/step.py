@@ -1,11 +1,9 @@
 """The step contract: what one optimizer step produces and who may act on it.
 
-``LitMoE.training_step`` runs one optimizer step per call (the ``A`` micro-batches of the step, then
-norm → observers → guards → clip → optimizer → schedule → expert bias) and publishes one read-only
-:class:`StepMetrics`. Callbacks read it in ``on_train_batch_end`` when :func:`finished_a_step` says
-the call finished one (Lightning also fires the batch-end hooks when an epoch's data ran out before a
-step could be made: the micro-batches are carried into the next epoch's first step); nobody writes
-into it. The step itself never waits for the device (no host sync): losses,
+``LitMoE.training_step`` runs one optimizer step per call (its batch is the step: the ``A``
+micro-batches, then norm → observers → guards → clip → optimizer → schedule → expert bias) and
+publishes one read-only :class:`StepMetrics`. Callbacks read it in ``on_train_batch_end`` (every call
+finishes a step); nobody writes into it. The step itself never waits for the device (no host sync): losses,
 norms, counts, the skip decision, the learning rate and the update all stay on the device, and
 :class:`StepMetrics` copies its numbers to the host only when they are read, which the built-in
 callbacks do on log steps only. Two kinds of callbacks take part in the step itself:
@@ -175,14 +173,6 @@ class StepMetrics:
     def __repr__(self) -> str:
         lazy = ", ".join(f"{k}={self._values[k]!r}" for k in _LAZY_FIELDS) if self.materialized else "not read yet"
         return f"StepMetrics(step={self.step}, consumed_samples={self.consumed_samples}, {lazy})"
-
-
-def finished_a_step(pl_module: Any) -> bool:
-    """Whether the ``training_step`` call before this ``on_train_batch_end`` finished an optimizer step.
-    It does not when the epoch's data ran out first (a resume whose data position leaves fewer
-    micro-batches in the epoch than a step takes, or an unsized loader's last call): the hooks then
-    fire without a step, and ``step_metrics`` is the previous step's (or None before the first)."""
-    return bool(getattr(pl_module, "step_finished", True))
 
 
 class GradientObserver(Callback):

@@ -70,10 +70,6 @@ class StepRecorder(Callback):
                 json.dump(self.val, f)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lit_moe.step import finished_a_step
-
-        if not finished_a_step(pl_module):
-            return
         self._collect_val(trainer)
         m = pl_module.step_metrics
         if trainer.global_rank == 0:
@@ -81,7 +77,7 @@ class StepRecorder(Callback):
                                               "mtp_loss", "skipped")}
             row["loss_hex"] = float(m.loss).hex()
             row["micro_batches"] = len(m.micro_losses)
-            row["first_tokens"] = batch["input_ids"][0, :8].tolist()
+            row["first_tokens"] = batch[-1]["input_ids"][0, :8].tolist()   # the step's last micro-batch
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

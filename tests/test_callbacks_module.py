@@ -33,9 +33,11 @@ def tiny_module(steps: int) -> LitMoE:
 
 
 def loader(steps: int) -> DataLoader:
+    """``steps`` optimizer steps of 2 micro-batches of 2 samples (each item: one step's micro-batches)."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (4 * steps, SEQ + 1), generator=g)
-    return DataLoader([{"input_ids": r[:-1], "labels": r[1:]} for r in ids], batch_size=2)
+    ids = torch.randint(0, VOCAB, (steps, 2, 2, SEQ + 1), generator=g)
+    return DataLoader([[{"input_ids": mb[:, :-1], "labels": mb[:, 1:]} for mb in step] for step in ids],
+                      batch_size=None)
 
 
 class SkipStep(L.Callback):
@@ -60,7 +62,7 @@ def test_real_module_skipped_step_is_bit_identical_and_moe_counts_add_up(tmp_pat
     monitor.tensorboard.output_dir = str(tmp_path / "tb")
     module = tiny_module(steps)
     trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=one_process_strategy(), max_epochs=1,
-                        limit_train_batches=2 * steps,
+                        limit_train_batches=steps,
                         logger=build_logger(monitor), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[SkipStep(guard, 2), guard, ThroughputMFU(), MoEMetrics(),
@@ -149,7 +151,7 @@ def test_step_time_is_wall_time_and_layer_aux_is_the_step_mean(tmp_path, one_pro
     module = tiny_module(steps)
     rec, snap = SlowDataAndRecordAux(pause), Snapshot()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_epochs=1,
-                        limit_train_batches=2 * steps, logger=False,
+                        limit_train_batches=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[rec, snap])
     trainer.fit(module, loader(steps))

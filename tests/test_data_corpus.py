@@ -148,7 +148,7 @@ def test_tiny_config_block_gives_batches(built, monkeypatch):
     dm = MegatronDataModule(TrainDatasetConfig(**section), local_batch_size=4, seed=42, seq_length=128)
     dm.setup("fit")
     assert len(dm.datasets[0]) >= 1600
-    batches = [b for _, b in zip(range(3), dm.train_dataloader())]
+    batches = [b for _, (b,) in zip(range(3), dm.train_dataloader())]   # steps of one micro-batch
     assert set(batches[0]) == {"input_ids", "labels", "loss_mask", "position_ids"}
     ids = torch.cat([b["input_ids"] for b in batches])
     assert ids.shape == (12, 128) and int(ids.max()) < 4096

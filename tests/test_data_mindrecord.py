@@ -157,7 +157,7 @@ def test_datamodule_batches_are_mindspores_order(tmp_path):
     dm.trainer = fake_trainer(0, 1)
     dm.setup("fit")
     reads = READS["one"]["reads"]["all"]
-    batches = list(dm.train_dataloader())
+    batches = [b for step in dm.train_dataloader() for b in step]   # steps of one micro-batch
     assert len(batches) == 3          # 7 samples, drop_remainder
     for k, batch in enumerate(batches):
         assert set(batch) == {"input_ids", "labels", "loss_mask", "position_ids"}
@@ -175,7 +175,7 @@ def test_datamodule_data_parallel_rank_drops_like_mindspore():
     dm.trainer = fake_trainer(1, 2)
     dm.setup("fit")
     reads = READS["one"]["reads"]["shard1of2"]
-    got = [row for batch in dm.train_dataloader() for row in batch["input_ids"].tolist()]
+    got = [row for step in dm.train_dataloader() for batch in step for row in batch["input_ids"].tolist()]
     assert got == [r["input_ids"] for r in reads]
 
 

@@ -41,14 +41,15 @@ def module(cfg, batch=2, rank=0, replicas=1, seed=42, consumed=0):
 
 
 def take(dm, n, count=True):
-    """The first n batches of a fresh iterator, counted as consumed (as Lightning would)."""
+    """The micro-batches of the first n steps of a fresh iterator (one micro-batch a step unless the
+    DataModule says otherwise), counted as consumed (as Lightning would)."""
     out = []
-    for batch in dm.train_dataloader():
+    for step in dm.train_dataloader():
         if len(out) == n:
             break
         if count:
-            dm.on_after_batch_transfer(batch, 0)
-        out.append(batch)
+            dm.on_after_batch_transfer(step, 0)
+        out += step
     return out
 
 
@@ -124,6 +125,59 @@ def test_resume_continues_with_the_next_sample_across_epochs(prefix):
         assert torch.equal(a["input_ids"], c["input_ids"])
 
 
+def _steps_over_epochs(dm, n_steps):
+    """The first ``n_steps`` steps (lists of micro-batches) over as many loader iterations (Lightning
+    epochs) as they take, each counted as consumed; also each iteration's length when it began and its
+    number of steps."""
+    steps, lengths = [], []
+    while len(steps) < n_steps:
+        loader = dm.train_dataloader()
+        before, length = len(steps), len(loader)
+        for step in loader:
+            if len(steps) == n_steps:
+                break
+            dm.on_after_batch_transfer(step, 0)
+            steps.append(step)
+        lengths.append((length, len(steps) - before))
+    return steps, lengths
+
+
+@pytest.mark.parametrize("ramp", [None, (4, 4, 24, 12, 4)], ids=["A=3", "ramp A=1..3"])
+def test_steps_are_consecutive_micro_batches_of_the_stream_across_epochs(prefix, ramp):
+    """A step is the next A micro-batches of the stream of epochs (A = 3, or a ramp-up 4 → 12 samples
+    with A 1, 2, 3 from the samples consumed before each step), however the loader's iterations (Lightning
+    epochs) cut it: a step that the epoch's end leaves short opens the next iteration and goes on with
+    the next epoch's first micro-batches; each iteration's length is its number of steps; a resume from a
+    step in the middle of the stream (a dp-2 rank) continues with the same steps."""
+    from lit_moe.schedules import BatchRamp
+
+    D, b = 2, 2
+    cfg = train_config(prefix)
+    ramp = None if ramp is None else BatchRamp(*ramp)
+    accumulation = [3] * 30 if ramp is None else [ramp.accumulation_at(ramp.samples_after(k)) for k in range(30)]
+    single, _ = _steps_over_epochs(module(cfg, b, 1, D), sum(accumulation))
+    stream = [mb for (mb,) in single]                              # one micro-batch a step: the stream
+    dm = MegatronDataModule(cfg, b, 42, accumulation_steps=3, batch_ramp=ramp)
+    dm.trainer = fake_trainer(1, D)
+    dm.setup("fit")
+    steps, lengths = _steps_over_epochs(dm, 30)
+    assert [len(step) for step in steps] == accumulation
+    assert len(lengths) > 3 and all(length == got for length, got in lengths[:-1]), lengths
+    flat = [mb for step in steps for mb in step]
+    for got, want in zip(flat, stream, strict=True):
+        assert torch.equal(got["input_ids"], want["input_ids"])
+    per_epoch = len(global_samples(prefix)) // (D * b)              # micro-batches of one epoch
+    assert per_epoch % 3 and len(lengths) > 3   # epochs end inside steps: those straddle
+    assert dm.consumed_samples == sum(accumulation) * D * b
+    resumed = MegatronDataModule(cfg, b, 42, accumulation_steps=3, batch_ramp=ramp)
+    resumed.trainer = fake_trainer(1, D)
+    resumed.setup("fit")
+    resumed.consumed_samples = sum(accumulation[:13]) * D * b
+    again, _ = _steps_over_epochs(resumed, 17)
+    for got, want in zip([mb for step in again for mb in step], flat[sum(accumulation[:13]):], strict=True):
+        assert torch.equal(got["input_ids"], want["input_ids"])
+
+
 def test_resume_with_another_data_parallel_size_keeps_the_global_order(prefix):
     samples = global_samples(prefix)
     dm = module(train_config(prefix), batch=2, rank=0, replicas=1)
@@ -143,7 +197,7 @@ def test_resume_through_lightning_checkpoint(prefix, tmp_path):
             self.seen = []
 
         def training_step(self, batch, batch_idx):
-            self.seen.append(batch["input_ids"].clone())
+            self.seen.append(batch[0]["input_ids"].clone())
             return (self.w ** 2).sum()
 
         def configure_optimizers(self):
@@ -296,5 +350,5 @@ def test_torch_loader_iterators_leave_the_global_generators_alone(prefix):
     # the check can fail: a loader without its own generator does draw from the global one
     from torch.utils.data import DataLoader
 
-    iter(DataLoader(loader.dataset, batch_size=2, sampler=loader.sampler, collate_fn=loader.collate_fn))
+    iter(DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn))
     assert not torch.equal(torch.get_rng_state(), before[0])

@@ -73,7 +73,7 @@ def fit(prefix, tmp_path, strategy, steps=5, evaluation=None, loggers=None):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     torch.manual_seed(0)
-    trainer.fit(module, MegatronDataModule(data(prefix), 2, 42, seq_length=SEQ))
+    trainer.fit(module, MegatronDataModule(data(prefix), 2, 42, seq_length=SEQ, accumulation_steps=2))
     return module, hand
 
 
@@ -149,9 +149,9 @@ def test_eval_settings_and_missing_valid_split(prefix, tmp_path, one_process_str
     with pytest.raises(ConfigError, match=r"training.eval_iters: 50 micro-batches of 2 samples on 1 data-parallel "
                                           r"rank\(s\) need 100 evaluation samples; the valid split \(train_dataset.dataloader.sizes\[1\] "
                                           r"and split\) holds \d+; lower eval_iters"):
-        trainer().fit(tiny_module(2), MegatronDataModule(data(prefix), 2, 42, seq_length=SEQ))
+        trainer().fit(tiny_module(2), MegatronDataModule(data(prefix), 2, 42, seq_length=SEQ, accumulation_steps=2))
     with pytest.raises(ConfigError, match=r"holds 0 \(set it, and a split with a valid part"):
-        trainer().fit(tiny_module(2), MegatronDataModule(data(prefix, sizes=(40, 0, 0)), 2, 42, seq_length=SEQ))
+        trainer().fit(tiny_module(2), MegatronDataModule(data(prefix, sizes=(40, 0, 0)), 2, 42, seq_length=SEQ, accumulation_steps=2))
 
 
 def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path, one_process_strategy):

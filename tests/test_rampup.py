@@ -141,9 +141,9 @@ def test_plan_prints_the_ramp_and_checks_every_level_against_the_pipeline(tmp_pa
 #   step:            1  2  3   4   5   6   7
 #   consumed before: 0  4  8  12  18  24  32      (int(12 / 10) = int(18 / 10) = 1; 24 > 20)
 #   global batch:    4  4  4   6   6   8   8
-# An epoch of 10 samples (5 micro-batches of 2): steps 3, 5 and 6 begin with micro-batches carried over
-# an epoch's end, counted by the DataModule but not trained yet; the batch of step 5 is read after 18
-# samples (20 with the carried ones would give 8).
+# An epoch of 10 samples (5 micro-batches of 2): steps 3, 5 and 6 straddle an epoch's end (they begin
+# with its last micro-batches); the batch of step 5 is read after 18 samples (20 with the epoch's tail
+# counted would give 8).
 STEPS = 7
 RAMP = [4, 2, 20]
 SAMPLES = [4, 8, 12, 18, 24, 32, 40]                # consumed after each step
@@ -195,12 +195,11 @@ def test_cli_ramp_samples_per_step_are_the_hand_computed_ones(uninterrupted):
                                              (4, "this step 6 (after 18 samples)")])
 def test_cli_resume_in_the_middle_of_the_ramp_is_bit_equal(uninterrupted, tmp_path, iteration, line):
     """From the step-3 checkpoint (12 samples: the batch grows to 6 with the next step; steps 4-7 take
-    6, 6, 8, 8, steps 5 and 6 begin with micro-batches carried over an epoch's end) and from the step-4
-    one (18 samples: 2 left in the epoch, fewer than the next step takes, so the resumed run's first
-    call ends without a step and Lightning fires the batch-end hooks anyway) the resumed run trains what
-    the uninterrupted one did, bit for bit, one recorded row per step (the hooks skip a call that
-    finished no step: ``lit_moe.step.finished_a_step``; before, that call crashed the throughput
-    callback on a fresh resume)."""
+    6, 6, 8, 8, steps 5 and 6 straddle an epoch's end) and from the step-4 one (18 samples: 2 left in the
+    epoch, fewer than the next step takes, so the resumed run's first step is that tail and the next
+    epoch's first micro-batches) the resumed run trains what the uninterrupted one did, bit for bit, one
+    recorded row per step (the DataModule delivers whole steps; before, a call there finished no step
+    and crashed the throughput callback on a fresh resume)."""
     run_dir, rows, _ = uninterrupted
     rec = tmp_path / "rec.jsonl"
     cfg = _ramp_config(tmp_path, rec)

@@ -111,10 +111,10 @@ def build_run(spec: dict, dp_rank_of=None):
             d, D = kw["rank"], kw["num_replicas"]
             b = GLOBAL // (D * A)
             data = batches()
-            rows = [{"input_ids": data[s, (d * A + k) * b:(d * A + k + 1) * b, :-1],
-                     "labels": data[s, (d * A + k) * b:(d * A + k + 1) * b, 1:]}
-                    for s in range(STEPS) for k in range(A)]
-            return DataLoader(rows, batch_size=None)
+            steps = [[{"input_ids": data[s, (d * A + k) * b:(d * A + k + 1) * b, :-1],
+                       "labels": data[s, (d * A + k) * b:(d * A + k + 1) * b, 1:]} for k in range(A)]
+                     for s in range(STEPS)]
+            return DataLoader(steps, batch_size=None)   # one item: the A micro-batches of one step
 
     class SkipStep(StepGuard):
         def should_skip(self, trainer, pl_module, grad_norm):

@@ -7,7 +7,6 @@ import json
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from helpers import ROOT, cli_in_process, tiny_config, write_config
 
@@ -55,19 +54,19 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path, capfd):
     assert [r["first_tokens"] for r in runs[0]] == [r["first_tokens"] for r in runs[1]]
 
 
-def test_stop_inside_an_accumulation_window_gives_its_samples_back(tmp_path, capfd):
-    """Training that stops between optimizer steps (here: the epoch limit after 3 micro-batches with
-    A = 2) saves a final checkpoint whose data position is the end of the last finished step, so a
-    resume reads the unfinished window's samples again instead of skipping them."""
+def test_trainer_batch_limits_count_optimizer_steps(tmp_path, capfd):
+    """Lightning's batch limits count optimizer steps (a batch is a whole step), so a stop can no longer
+    fall inside an accumulation window: ``limit_train_batches: 3`` with A = 2 trains 3 whole steps,
+    and the final checkpoint's data position is the end of the last of them (3 · 4 samples)."""
     cfg = tiny_config(tmp_path, steps=10)           # local batch 2, global 4: A = 2
     cfg["checkpoint"]["enable_save"] = True
     cfg["trainer"] = {"max_epochs": 1, "limit_train_batches": 3}
     proc = cli_in_process(["fit", "--config", str(write_config(tmp_path, cfg))], capfd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    common = json.loads((tmp_path / "ckpt" / "iteration_00000001" / "common.json").read_text())
+    common = json.loads((tmp_path / "ckpt" / "iteration_00000003" / "common.json").read_text())
     state = common["trainer_state"]
-    assert state["global_step"] == 1
-    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed_samples": 4}]
+    assert state["global_step"] == 3 and common["consumed_samples"] == 12
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed_samples": 12}]
 
 
 class _CountHooks(L.Callback):
@@ -75,7 +74,7 @@ class _CountHooks(L.Callback):
     per-step and per-micro-batch hooks fire."""
 
     def __init__(self):
-        self.steps, self.micro, self.backwards, self.batch_ends = [], [], 0, 0
+        self.steps, self.micro, self.backwards, self.batch_ends, self.epochs = [], [], 0, 0, []
 
     def on_train_start(self, trainer, pl_module):
         pl_module.model.register_forward_pre_hook(
@@ -87,20 +86,27 @@ class _CountHooks(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.batch_ends += 1
         assert pl_module.step_metrics.step == trainer.global_step == self.batch_ends
+        self.epochs.append(trainer.current_epoch)
         self.steps.append(self.micro)
         self.micro = []
 
 
-def test_on_train_batch_end_fires_once_per_optimizer_step_and_steps_span_epochs(one_process_strategy):
+def test_on_train_batch_end_fires_once_per_optimizer_step_and_steps_span_epochs(tmp_path, one_process_strategy):
     """A = 3 micro-batches per step from an epoch of 8: ``training_step`` is one optimizer step, so the
     per-step hook fires once per step (after 3 backward passes), and a step whose epoch ran out goes on
-    with the first micro-batches of the next epoch, as micro-batch-per-call training did."""
+    with the first micro-batches of the next epoch, as micro-batch-per-call training did (the
+    DataModule forms the steps)."""
+    import numpy as np
+
+    from lit_moe.config import TrainDatasetConfig
+    from lit_moe.data import MegatronDataModule
     from test_callbacks_module import SEQ, VOCAB, tiny_module
 
     module = tiny_module(steps=4)
-    module.accumulation_steps = 3
-    ids = torch.arange(8)[:, None].expand(8, SEQ + 1) % VOCAB          # micro-batch k starts with token k
-    data = DataLoader([{"input_ids": r[:-1], "labels": r[1:]} for r in ids], batch_size=1)
+    ids = np.arange(8)[:, None].repeat(SEQ + 1, axis=1) % VOCAB          # sample k is all token k
+    data = MegatronDataModule(TrainDatasetConfig(**tiny_config(tmp_path)["train_dataset"]), local_batch_size=1,
+                              seed=42, accumulation_steps=3)
+    data.datasets = ([{"input_ids": r[:-1], "labels": r[1:]} for r in ids], None, None)
     hooks = _CountHooks()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_steps=4,
                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -109,6 +115,7 @@ def test_on_train_batch_end_fires_once_per_optimizer_step_and_steps_span_epochs(
     trainer.fit(module, data)
     assert hooks.batch_ends == 4 and hooks.backwards == 12
     assert hooks.steps == [[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]]
+    assert hooks.epochs == [0, 0, 1, 1] and data.consumed_samples == 12
 
 
 def test_one_real_step_is_the_hand_computed_clipped_adamw_update(one_process_strategy):
@@ -150,7 +157,7 @@ def test_one_real_step_is_the_hand_computed_clipped_adamw_update(one_process_str
     # gradients by plain autograd: the same initial weights, sum over the 2 micro-batches of objective / 2
     ref = DeepseekV3ForCausalLM(module.model_config)
     ref.init_weights(module.training_config.seed)
-    for batch in data:
+    for batch in next(iter(data)):
         out = ref(**batch)
         ((out.loss + out.aux_loss + out.mtp_loss) / 2).backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}

@@ -123,7 +123,7 @@ class RunSummary(Callback):
         trainable = None
         if model is not None:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        ramp = getattr(pl_module, "batch_ramp", None)
+        ramp = getattr(trainer.datamodule, "batch_ramp", None)   # the DataModule forms the steps
         emit(summary_line(self.model_config, global_batch_size=self.global_batch_size,
                           local_batch_size=self.local_batch_size, seq_length=self.seq_length,
                           accumulation_steps=self.accumulation_steps,

@@ -33,7 +33,7 @@ from lightning.pytorch import Callback
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.callbacks.heatmap import png_size, render_heatmap
-from lit_moe.step import MoEStepStats, StepMetrics, finished_a_step
+from lit_moe.step import MoEStepStats, StepMetrics
 
 DEFAULT_EXPERT_INTERVAL = 50
 
@@ -176,8 +176,6 @@ class MoEMetrics(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         m: StepMetrics = pl_module.step_metrics
         pipeline = _pipeline(trainer)
         if (m.moe is None) if pipeline is None else not pipeline.moe_block_ids():

@@ -17,7 +17,6 @@ from lightning.pytorch import Callback
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import emit, steps_done
 from lit_moe.distributed import global_rank
-from lit_moe.step import finished_a_step
 
 DEFAULT_OUTPUT_PATH = "output/profile"
 
@@ -108,8 +107,6 @@ class StepProfiler(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         if self._prof is None:
             return
         if pl_module.step_metrics.step < self.end_step:

@@ -10,7 +10,6 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 from lit_moe.callbacks._common import is_log_step
 from lit_moe.callbacks.throughput import step_perf
-from lit_moe.step import finished_a_step
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -26,8 +25,6 @@ class StepProgressBar(TQDMProgressBar):
         bar.set_description("step")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not finished_a_step(pl_module):
-            return
         bar = self.train_progress_bar
         if bar is None:
             return

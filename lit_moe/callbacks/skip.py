@@ -22,7 +22,7 @@ import torch
 
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import check_log_interval, emit, is_log_step, steps_done
-from lit_moe.step import StepGuard, StepStrategy, finished_a_step
+from lit_moe.step import StepGuard, StepStrategy
 from lit_moe.strategies.clip import global_grad_norm
 
 
@@ -157,8 +157,6 @@ class GlobalNormSkipGuard(StepGuard):
 
     # -- reporting, on the host ------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         self._trainer = trainer
         if is_log_step(steps_done(trainer, pl_module), self.report_interval):
             self.report()

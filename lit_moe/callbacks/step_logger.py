@@ -22,7 +22,7 @@ from lightning.pytorch import Callback
 from lit_moe.config import to_dict
 from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, fmt, is_log_step, tb_writer
 from lit_moe.callbacks.throughput import step_perf
-from lit_moe.step import StepMetrics, finished_a_step
+from lit_moe.step import StepMetrics
 
 
 def config_as_markdown(resolved_config: Any) -> str:
@@ -60,8 +60,6 @@ class StepLogger(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         m: StepMetrics = pl_module.step_metrics
         # the run's last step is always logged (a run shorter than the interval still shows its result)
         if not (is_log_step(m.step, self.log_interval) or m.step == self.total_steps):

@@ -29,7 +29,7 @@ from lit_moe.config import ConfigError
 from lit_moe.device_speed import measure_matmul_peak
 from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.distributed import is_distributed
-from lit_moe.step import StepMetrics, finished_a_step
+from lit_moe.step import StepMetrics
 
 # Peak dense bf16 tensor FLOP/s per device, matched as a substring of the device name lower-cased
 # with spaces and dashes removed. First match wins, so specific names come first.
@@ -170,8 +170,6 @@ class ThroughputMFU(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         m: StepMetrics = pl_module.step_metrics
         if not is_log_step(m.step, self.log_interval):
             return

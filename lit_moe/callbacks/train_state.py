@@ -28,7 +28,7 @@ from lit_moe.callbacks._common import emit, tensor_norm
 from lit_moe.distributed import global_rank, world_size
 from lit_moe.config import ConfigError
 from lit_moe.model.names import canonical_name, no_match_error, spellings
-from lit_moe.step import GradientObserver, StepMetrics, finished_a_step
+from lit_moe.step import GradientObserver, StepMetrics
 
 NormFilter = Union[bool, str, list]
 
@@ -116,8 +116,6 @@ class TrainStateMonitor(GradientObserver):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         metrics: StepMetrics = pl_module.step_metrics
         step = metrics.step
         prefix = {"rank": global_rank()} if world_size() > 1 else {}

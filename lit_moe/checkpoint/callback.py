@@ -51,7 +51,7 @@ from lit_moe.checkpoint.resume import RNG_STATE
 from lit_moe.checkpoint.sharded import assign_writers, pieces_of, stage
 from lit_moe.config import CheckpointConfig, ConfigError
 from lit_moe.data import MegatronDataModule
-from lit_moe.step import StepStrategy, finished_a_step
+from lit_moe.step import StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,6 @@ class IterationCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if not finished_a_step(pl_module):
-            return
         step = trainer.global_step
         if self.cfg.enable_save and step % self.cfg.save_interleaved_steps == 0:
             self.save(trainer, step)

@@ -1,4 +1,5 @@
-"""The LightningDataModule: micro-batches of ``local_batch_size`` samples, sharded by data-parallel rank.
+"""The LightningDataModule: whole optimizer steps of ``A`` micro-batches of ``local_batch_size`` samples,
+sharded by data-parallel rank.
 
 Order. The dataset's global sample order (GPTDataset's own shuffle; with ``shuffle: true`` also a
 per-epoch permutation seeded by ``training.seed``) is dealt out to data-parallel ranks as MindSpore's
@@ -7,8 +8,17 @@ them ``local_batch_size`` at a time. So global micro-batch ``k`` (all ranks toge
 ``[k·D·b, (k+1)·D·b)``. Ranks of one tensor/context/expert-parallel group have the same data-parallel
 rank and get identical batches. When the dataset is exhausted the next epoch starts again from the top.
 
-Resume. The DataModule counts the samples consumed by training itself: every training micro-batch that
-reaches the model (Lightning's ``on_after_batch_transfer``) adds ``len(batch) · D``. ``state_dict()``
+Steps. The micro-batches of successive epochs form one stream; each optimizer step takes the next ``A``
+of them (:class:`StepSampler`: ``A`` from ``training.global_batch_size``, or with a ramp-up from the
+samples consumed before the step), and the loader yields one step at a time: a list of ``A``
+micro-batch dicts, which Lightning moves to the device as it moves any batch (one ``training_step``
+call is one optimizer step). A Lightning epoch ends after the step that leaves fewer micro-batches in
+the data epoch than the next step takes; the next Lightning epoch's first step takes those and goes on
+with the next data epoch's first micro-batches (a step straddles the epoch end; in the last epoch,
+``max_epochs``, they are not trained on).
+
+Resume. Consumed samples are the sampler's position: every step that reaches the device (Lightning's
+``on_after_batch_transfer``) moves it by its samples (``len(micro-batch) · D`` each). ``state_dict()``
 holds ``consumed_samples`` and Lightning saves it in checkpoints; after ``load_state_dict`` the next
 iterator starts at exactly the next global sample (position ``consumed_samples`` modulo the epoch
 length; the data-parallel size may even change between runs). Code that knows better (e.g. a
@@ -23,7 +33,7 @@ import sys
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -41,6 +51,11 @@ TENSOR_DTYPES = {
     "attention_mask": torch.bool,
     "actual_seq_len": torch.int32,
 }
+
+
+def step_samples(step: list[dict[str, torch.Tensor]]) -> int:
+    """Samples of one rank's step (its micro-batches' batch sizes summed)."""
+    return sum(int(next(iter(b.values())).shape[0]) for b in step)
 
 
 def collate_samples(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -120,73 +135,154 @@ class MegatronSampler(DistributedSampler):
         self.epoch = epoch
 
 
+class StepSampler:
+    """A batch sampler of whole optimizer steps: each item is this rank's ``A`` micro-batches of one step
+    (lists of sample indices), ``A = accumulation(samples consumed before the step)``; from
+    ``constant_from`` consumed samples on, ``A`` no longer changes.
+
+    The micro-batches of one data epoch are this rank's positions from the sampler's start (the first
+    epoch) or from 0, cut ``micro_batch_size`` at a time (a short last one dropped with ``drop_last``);
+    the epochs form one stream. An iteration starts at the consumed-samples position; its first step
+    may run over into the next data epoch, and it ends after the step that leaves fewer micro-batches
+    in the data epoch than the next step takes (module docstring)."""
+
+    def __init__(self, sampler: MegatronSampler, accumulation: Callable[[int], int], constant_from: int = 0) -> None:
+        self.sampler = sampler
+        self.position = sampler.position
+        self.accumulation = accumulation
+        self.constant_from = constant_from
+
+    def _count(self, first: int) -> int:
+        """Micro-batches of an epoch read from rank position ``first``."""
+        s = self.sampler
+        left = max(s.per_rank - first, 0)
+        return left // s.micro_batch_size if s.drop_last else -(-left // s.micro_batch_size)
+
+    def _cut(self, first: int, k: int) -> tuple[int, int]:
+        """``[start, stop)`` rank positions of micro-batch ``k`` of an epoch read from ``first``."""
+        start = first + k * self.sampler.micro_batch_size
+        return start, min(start + self.sampler.micro_batch_size, self.sampler.per_rank)
+
+    def _steps(self) -> Iterator[tuple[list[tuple[int, int, int]], int, int]]:
+        """This iteration's steps: (micro-batches as ``(epoch, start, stop)``, micro-batches left in the
+        data epoch after it, consumed samples after it)."""
+        epoch, first = self.sampler._start()
+        consumed = self.position.consumed_samples
+        count, k = self._count(first), 0
+        while True:
+            step = []
+            for _ in range(self.accumulation(consumed)):
+                if k == count:   # only the first step gets here: it goes on with the next epoch
+                    epoch, first, k = epoch + 1, 0, 0
+                    count = self._count(0)
+                step.append((epoch, *self._cut(first, k)))
+                k += 1
+            consumed += sum(z - a for _, a, z in step) * self.sampler.num_replicas
+            yield step, count - k, consumed
+            if count - k < self.accumulation(consumed):
+                return
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        s = self.sampler
+        orders: dict[int, np.ndarray] = {}
+        for step, _, _ in self._steps():
+            micro_batches = []
+            for epoch, a, z in step:
+                if epoch not in orders:
+                    orders[epoch] = s.order(epoch)
+                positions = np.arange(a, z, dtype=np.int64) * s.num_replicas + s.rank
+                micro_batches.append(orders[epoch][positions % s.dataset_size].tolist())
+            yield micro_batches
+
+    def __len__(self) -> int:
+        n = 0
+        for _, left, consumed in self._steps():
+            n += 1
+            if consumed >= self.constant_from:   # the same A from here on: the rest by arithmetic
+                return n + left // self.accumulation(consumed)
+        return n
+
+
 class _Resumable:
     """Lightning treats a loader with ``state_dict``/``load_state_dict`` as resumable (no mid-epoch
-    warning) and saves that state with its loops; it is the same consumed-samples count the DataModule
-    keeps."""
+    warning) and saves that state with its loops; it is the sampler's consumed-samples position, the
+    DataModule's count."""
 
-    sampler: MegatronSampler
+    batch_sampler: StepSampler
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.sampler.position.consumed_samples}
+        return {"consumed_samples": self.batch_sampler.position.consumed_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.position.consumed_samples = int(state.get("consumed_samples", 0))
+        self.batch_sampler.position.consumed_samples = int(state.get("consumed_samples", 0))
+
+
+class MicroBatches:
+    """The dataset as a torch DataLoader with a :class:`StepSampler` reads it: item ``indices`` (one
+    micro-batch's sample indices) is that micro-batch, collated."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return collate_samples([self.dataset[i] for i in indices])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def as_step(micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The collate function of a step: its micro-batches, already collated, as a list."""
+    return list(micro_batches)
 
 
 class MegatronDataLoader(_Resumable, DataLoader):
-    """``python_multiprocessing: true``: a torch DataLoader with worker processes and its own
-    ``generator`` (creating an iterator never draws from the global random generators)."""
+    """``python_multiprocessing: true``: a torch DataLoader with worker processes (each reads whole
+    steps) and its own ``generator`` (creating an iterator never draws from the global random
+    generators)."""
 
 
 class ThreadedLoader(_Resumable):
-    """``python_multiprocessing: false``: batches are read by a pool of threads (MindSpore's
-    multithreaded GeneratorDataset), in order, with up to ``workers · prefetch`` batches in flight."""
+    """``python_multiprocessing: false``: micro-batches are read by a pool of threads (MindSpore's
+    multithreaded GeneratorDataset), in order, with up to ``workers · prefetch`` micro-batches in
+    flight; yields whole steps."""
 
-    def __init__(self, dataset, sampler: MegatronSampler, batch_size: int, drop_last: bool, workers: int,
-                 prefetch: int, thread_init=None) -> None:
+    def __init__(self, dataset, batch_sampler: StepSampler, workers: int, prefetch: int, thread_init=None) -> None:
         self.dataset = dataset
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        self.batch_sampler = batch_sampler
         self.workers = max(1, workers)
         self.prefetch = max(1, prefetch)
         self.thread_init = thread_init
 
-    def _batches(self) -> list[list[int]]:
-        idx = list(iter(self.sampler))
-        batches = [idx[i:i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
-        if batches and self.drop_last and len(batches[-1]) < self.batch_size:
-            batches.pop()
-        return batches
-
     def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return len(self.batch_sampler)
 
     def _load(self, batch: list[int]) -> dict[str, torch.Tensor]:
         return collate_samples([self.dataset[i] for i in batch])
 
     def __iter__(self):
-        batches = self._batches()
         if self.workers <= 1 and self.thread_init is None:
-            for b in batches:
-                yield self._load(b)
+            for step in self.batch_sampler:
+                yield [self._load(b) for b in step]
             return
         pending: deque = deque()
         with ThreadPoolExecutor(self.workers, initializer=self.thread_init) as pool:
             depth = self.workers * self.prefetch
-            it = iter(batches)
-            for b in it:
-                pending.append(pool.submit(self._load, b))
+            it = ((k, b) for k, step in enumerate(self.batch_sampler) for b in step)
+            for kb in it:
+                pending.append((kb[0], pool.submit(self._load, kb[1])))
                 if len(pending) >= depth:
                     break
+            step: list = []
             while pending:
-                batch = pending.popleft().result()
+                k, future = pending.popleft()
+                step.append(future.result())
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append(pool.submit(self._load, nxt))
-                yield batch
+                    pending.append((nxt[0], pool.submit(self._load, nxt[1])))
+                if not pending or pending[0][0] != k:
+                    yield step
+                    step = []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,13 +357,16 @@ class MegatronDataModule(LightningDataModule):
         seed: ``training.seed``: seeds the data workers and the per-epoch order of ``shuffle: true``
             (the GPTDataset shuffle uses ``dataloader.config.seed``, default 1234, as in MindFormers).
         seq_length: ``model.seq_length``; fills or must match ``dataloader.config.seq_length``.
+        accumulation_steps: micro-batches per optimizer step on each rank (``A``).
+        batch_ramp: ``training.rampup_batch_size`` (:class:`~lit_moe.schedules.BatchRamp`): each step's
+            ``A`` from the samples consumed before it; None: ``accumulation_steps`` throughout.
 
     The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs`` in
     ``setup()`` (absent or None: one replica).
     """
 
     def __init__(self, train_dataset: TrainDatasetConfig, local_batch_size: int, seed: int,
-                 seq_length: Optional[int] = None) -> None:
+                 seq_length: Optional[int] = None, accumulation_steps: int = 1, batch_ramp: Any = None) -> None:
         super().__init__()
         if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, int) or local_batch_size < 1:
             raise ConfigError(f"training.local_batch_size: expected an int >= 1, got {local_batch_size!r}")
@@ -279,6 +378,8 @@ class MegatronDataModule(LightningDataModule):
         self.local_batch_size = local_batch_size
         self.seed = seed
         self.seq_length = seq_length
+        self.accumulation_steps = int(accumulation_steps)
+        self.batch_ramp = batch_ramp
         # Validate the section now: configuration errors surface before any process starts.
         self.spec: DataloaderSpec = parse_dataloader(train_dataset.dataloader, seq_length)
         self._position = _Position()
@@ -302,11 +403,17 @@ class MegatronDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.consumed_samples = int(state_dict.get("consumed_samples", 0))
 
+    def accumulation_at(self, consumed_samples: int) -> int:
+        """``A`` of the step that starts after ``consumed_samples`` global samples."""
+        if self.batch_ramp is None:
+            return self.accumulation_steps
+        return self.batch_ramp.accumulation_at(consumed_samples)
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A training step reached the device: the position moves past its samples."""
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.training and isinstance(batch, dict) and batch:
-            first = next(iter(batch.values()))
-            self._position.consumed_samples += int(first.shape[0]) * self.dp_size
+        if trainer is not None and trainer.training and isinstance(batch, list):
+            self._position.consumed_samples += step_samples(batch) * self.dp_size
         return batch
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -351,15 +458,16 @@ class MegatronDataModule(LightningDataModule):
         sampler = MegatronSampler(len(train), self.dp_size, self.dp_rank, self.local_batch_size,
                                   self.train_config.drop_remainder, self.spec.shuffle, self.seed, self._position,
                                   pad_shards=getattr(self.spec, "pad_shards", False))
+        ramp = self.batch_ramp
+        steps = StepSampler(sampler, self.accumulation_at, 0 if ramp is None else ramp.rampup_samples + 1)
         workers, init, cpus = self._worker_setup()
         prefetch = max(1, self.train_config.prefetch_size)
         if not self.spec.python_multiprocessing:
             thread_init = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-            return ThreadedLoader(train, sampler, self.local_batch_size, self.train_config.drop_remainder,
-                                  workers, prefetch, thread_init)
+            return ThreadedLoader(train, steps, workers, prefetch, thread_init)
         return MegatronDataLoader(
-            train, batch_size=self.local_batch_size, sampler=sampler, drop_last=self.train_config.drop_remainder,
-            num_workers=workers, collate_fn=collate_samples, worker_init_fn=init if workers else None,
+            MicroBatches(train), batch_sampler=steps,
+            num_workers=workers, collate_fn=as_step, worker_init_fn=init if workers else None,
             prefetch_factor=prefetch if workers else None, persistent_workers=False, pin_memory=False,
             # Its own generator: creating an iterator draws the workers' base seed, and from the global
             # generator a loader without one would shift the run's random draws (dropout) whenever an
