@@ -517,6 +517,28 @@ BUGS: list[Bug] = [
     Bug("plan_activations_doubled", "plan memory", "lit_moe/strategies/memory_plan.py",
         "saved = model_activation_bytes(model_config, tokens,", "saved = 2 * model_activation_bytes(model_config, tokens,",
         ("tests/test_memory_plan.py", "-k", "measured_fit")),
+    # ---------------------------------------------------------------- ZeRO-1 (data_parallel_shard_strategy: optim)
+    Bug("zero1_sync_every_microbatch", "ZeRO-1", "lit_moe/strategies/strategy.py",
+        "if self.parallelism.gradient_sync_every_microbatch and not zero1:",
+        "if self.parallelism.gradient_sync_every_microbatch:",
+        ("tests/test_step_layouts.py", "-k", "dp2_a2_zero1")),
+    Bug("zero1_reshard_after_backward", "ZeRO-1", "lit_moe/strategies/strategy.py",
+        "module.set_reshard_after_backward(enabled, recurse=False)",
+        "module.set_reshard_after_backward(True, recurse=False)",
+        ("tests/test_step_layouts.py", "-k", "dp2_a2_zero1")),
+    Bug("zero1_reshard_after_forward", "ZeRO-1", "lit_moe/strategies/parallel_dims.py",
+        'return p.data_parallel_shard_strategy == "optim_grads_params"',
+        'return p.data_parallel_shard_strategy != "optim_grads"',
+        ("tests/test_step_layouts.py", "-k", "dp2_a2_zero1")),
+    Bug("zero1_plan_gradients_sharded", "ZeRO-1", "lit_moe/strategies/memory_plan.py",
+        'return mem["params"] + mem["gathered_params"], mem["unsharded_grads"], mem["optimizer"]',
+        'return mem["params"] + mem["gathered_params"], mem["grads"], mem["optimizer"]',
+        ("tests/test_memory_plan.py", "-k", "zero1")),
+    Bug("zero1_plan_optimizer_not_sharded", "ZeRO-1", "lit_moe/strategies/memory_plan.py",
+        'return mem["params"] + mem["gathered_params"], mem["unsharded_grads"], mem["optimizer"]',
+        'return (mem["params"] + mem["gathered_params"], mem["unsharded_grads"],\n'
+        '                mem["optimizer"] * mem["unsharded_grads"] // max(mem["grads"], 1))',
+        ("tests/test_memory_plan.py", "-k", "zero1")),
 ]
 
 

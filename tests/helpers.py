@@ -61,6 +61,14 @@ def child_env(*paths: str | Path, **extra: str) -> dict:
     return env
 
 
+def selected_layouts(request, layouts: dict) -> list[str]:
+    """The names of ``layouts`` whose tests (parametrized by ``name``) of the requesting module this
+    session runs: a module-scoped fixture launches only those (``-k`` picks a few)."""
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+    return [n for n in layouts if n in names]
+
+
 def scaled(seconds: float) -> float:
     """``seconds`` measured on a quiet machine, stretched by how busy this one is now: a wait that
     includes interpreter start-up (8-30 s of imports on a loaded 2-core machine) must not fail a

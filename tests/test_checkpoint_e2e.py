@@ -179,6 +179,48 @@ def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
 
 
 _DP2: dict = {}
+ZERO1 = ("--parallelism.data_parallel_shard_strategy", "optim", "--training.local_batch_size", "1")
+
+
+@pytest.mark.parametrize("layout", ["dp2_zero1", "one_process"])
+def test_zero1_checkpoint_resumes_exactly(tmp_path_factory, layout):
+    """Saved by 2 ranks under ZeRO-1 (``data_parallel_shard_strategy: optim``, accumulation 2) after
+    step 3; resumed under ZeRO-1 on 2 ranks and in one process: every tensor of the model and the
+    optimizer restored bit for bit, and steps 4 and 5 with the uninterrupted run's losses (bit-equal in
+    the same layout)."""
+    import torch
+
+    base = _zero1_run(tmp_path_factory)
+    tmp_path = tmp_path_factory.mktemp(layout)
+    probe = tmp_path / "probe.jsonl"
+    ckpt = {"load_path": str(base / "ckpt" / "iteration_00000003")}
+    extra = {"dp2_zero1": ["--trainer.devices", "2", *ZERO1], "one_process": ["--trainer.devices", "1"]}[layout]
+    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra)
+    saved, restored = torch.load(base / "saved.pt"), torch.load(tmp_path / "restored.pt")
+    assert saved.keys() == restored.keys() and sum(k.startswith("optimizer.") for k in saved) > 20
+    assert [k for k in saved if not torch.equal(saved[k], restored[k])] == [], layout
+    resumed, straight = _probe(probe), _probe(base / "probe.jsonl")
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        assert (resumed[step]["lr"], resumed[step]["consumed"]) == (straight[step]["lr"], straight[step]["consumed"])
+        if layout == "dp2_zero1":
+            assert resumed[step]["loss"] == straight[step]["loss"], step
+        else:   # another reduction order: as the resharding test above
+            assert float(resumed[step]["loss"]) == pytest.approx(float(straight[step]["loss"]), rel=2e-5, abs=1e-6)
+    assert abs(float(straight[5]["loss"]) - float(straight[4]["loss"])) > 1e-3
+
+
+def _zero1_run(tmp_path_factory) -> Path:
+    """One 2-process ZeRO-1 run of 5 steps that saves after step 3 (shared by the ZeRO-1 resume tests)."""
+    if "zero1" not in _DP2:
+        base = tmp_path_factory.mktemp("dp2_zero1")
+        config = _config(base, "dp2_zero1.yaml", base / "probe.jsonl", 5,
+                         {"enable_save": True, "save_path": str(base / "ckpt"), "save_interleaved_steps": 3},
+                         dump=(base / "saved.pt", 3))
+        _fit(base, config, "--trainer.devices", "2", *ZERO1)
+        assert sorted(_probe(base / "probe.jsonl")) == [1, 2, 3, 4, 5]
+        _DP2["zero1"] = base
+    return _DP2["zero1"]
 
 
 def _dp2_run(tmp_path_factory) -> Path:

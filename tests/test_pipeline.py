@@ -21,7 +21,7 @@ import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
-from helpers import scaled  # noqa: E402
+from helpers import scaled, selected_layouts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -386,25 +386,28 @@ def worker(world: int, out_dir: str, only: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def _launch(world: int, out_dir: Path) -> None:
+def _launch(world: int, out_dir: Path, names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           __file__, "--worker", str(world), str(out_dir)]
+           __file__, "--worker", str(world), str(out_dir), *names]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, request):
+    """The selected layouts (``-k``), one launch per world size."""
     out = tmp_path_factory.mktemp("pp")
-    for world in sorted({s["world"] for s in LAYOUTS.values()}):
-        _launch(world, out)
+    names = selected_layouts(request, LAYOUTS)
+    for world in sorted({LAYOUTS[n]["world"] for n in names}):
+        _launch(world, out, [n for n in names if LAYOUTS[n]["world"] == world])
     return out
 
 
 @pytest.fixture(scope="module")
-def references():
-    return {key: reference(*key) for key in sorted({(s["mtp"], s["docs"]) for s in LAYOUTS.values()})}
+def references(request):
+    return {key: reference(*key) for key in sorted({(LAYOUTS[n]["mtp"], LAYOUTS[n]["docs"])
+                                                    for n in selected_layouts(request, LAYOUTS)})}
 
 
 def _rel(a, b) -> float:

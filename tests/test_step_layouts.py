@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
-from helpers import scaled  # noqa: E402
+from helpers import scaled, selected_layouts  # noqa: E402
 
 STEPS = 3
 GLOBAL = 8
@@ -292,16 +292,19 @@ def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> N
 
 
 @pytest.fixture(scope="module")
-def layout_results(tmp_path_factory):
+def layout_results(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("step_layouts")
+    names = selected_layouts(request, LAYOUTS)
     for world in (2, 4):
-        launch(world, [n for n, s in LAYOUTS.items() if s["world"] == world], out)
+        if any(LAYOUTS[n]["world"] == world for n in names):
+            launch(world, [n for n in names if LAYOUTS[n]["world"] == world], out)
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
 @pytest.fixture(scope="module")
-def references():
-    """One process, the global batch as one micro-batch: per (mtp depth, skip)."""
+def references(request):
+    """One process, the global batch as one micro-batch: per (mtp depth, skip, family) of the selected
+    layouts."""
     import torch.distributed as dist
 
     from lit_moe.strategies import AscendFSDPStrategy
@@ -309,7 +312,8 @@ def references():
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     out = {}
     try:
-        for mtp, skip, family in sorted({(s["mtp"], s["skip"], s["family"]) for s in LAYOUTS.values()}):
+        for mtp, skip, family in sorted({(LAYOUTS[n]["mtp"], LAYOUTS[n]["skip"], LAYOUTS[n]["family"])
+                                         for n in selected_layouts(request, LAYOUTS)}):
             spec = dict(_layout(1, skip=skip, family=family), mtp=mtp, dp=1)
             out[(mtp, skip, family)] = fit(spec, AscendFSDPStrategy(), 1)
     finally:
