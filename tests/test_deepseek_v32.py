@@ -64,7 +64,7 @@ def test_logits_match_transformers(tmp_path):
         dense.load_state_dict(m.state_dict())
         dense_err = (dense.eval()(x).logits - theirs).abs().max().item()
     err = (ours - theirs).abs().max().item()
-    # measured 2.4e-6 (dense: 4.5); each planted indexer bug of benchmarks/planted_bugs.py: > 1e-2
+    # measured 2.4e-6 (dense: 4.5); each planted indexer bug of benchmarks/planted_bugs.py fails it
     assert err <= 2e-5, err
     assert dense_err > 1e-2, dense_err   # the sparsity matters: every key allowed is far from transformers
 
@@ -86,7 +86,7 @@ def test_reads_a_checkpoint_written_by_transformers(tmp_path):
             c.first_k_dense_replace) == ("deepseek_v32", True, 6, 4, 16, 1)
     x = ids(seed=4)
     with torch.no_grad():
-        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 2e-5   # measured 2.4e-6
+        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 9e-6   # measured 9.5e-7
     # and back: our export of it loads in transformers with the same tensors
     ours.save_pretrained(tmp_path / "again")
     again = hf_load(tmp_path / "again")
