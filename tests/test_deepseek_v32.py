@@ -24,15 +24,21 @@ V32 = dict(model_type="deepseek_v32", vocab_size=128, hidden_size=64, intermedia
            max_position_embeddings=256, compute_dtype="float32", initializer_range=0.1)
 
 
+def randomize_norms(model, seed):
+    """Norm weights 1 + 0.2·N (the indexer's k_norm too), expert biases, and the indexer's LayerNorm bias
+    (it starts at 0) 0.3·N, on our model or transformers'."""
+    randomize_norms_and_biases(model, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("indexer.k_norm.bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
 def ours_model(cfg=V32):
     torch.manual_seed(0)
     m = DeepseekV3ForCausalLM(cfg).eval()
-    randomize_norms_and_biases(m, seed=1)   # the indexer's k_norm weight too
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("indexer.k_norm.bias"):   # the LayerNorm's bias starts at 0: make it count
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    randomize_norms(m, seed=1)
     return m
 
 
@@ -58,7 +64,7 @@ def test_logits_match_transformers(tmp_path):
         dense.load_state_dict(m.state_dict())
         dense_err = (dense.eval()(x).logits - theirs).abs().max().item()
     err = (ours - theirs).abs().max().item()
-    # measured 2.4e-6; each planted indexer bug of benchmarks/planted_bugs.py: > 1e-2
+    # measured 2.4e-6 (dense: 4.5); each planted indexer bug of benchmarks/planted_bugs.py fails it
     assert err <= 2e-5, err
     assert dense_err > 1e-2, dense_err   # the sparsity matters: every key allowed is far from transformers
 
@@ -70,11 +76,7 @@ def test_reads_a_checkpoint_written_by_transformers(tmp_path):
     hf_cfg.pop("lit_moe")
     torch.manual_seed(3)
     hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**hf_cfg)).eval()
-    randomize_norms_and_biases(hf, seed=4)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("indexer.k_norm.bias"):
-                p.normal_(0, 0.3)
+    randomize_norms(hf, seed=4)
     hf.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert "lit_moe" not in written and written["model_type"] == "deepseek_v32" and "mlp_layer_types" in written
@@ -84,7 +86,7 @@ def test_reads_a_checkpoint_written_by_transformers(tmp_path):
             c.first_k_dense_replace) == ("deepseek_v32", True, 6, 4, 16, 1)
     x = ids(seed=4)
     with torch.no_grad():
-        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 2e-5   # measured 2.4e-6
+        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 9e-6   # measured 9.5e-7
     # and back: our export of it loads in transformers with the same tensors
     ours.save_pretrained(tmp_path / "again")
     again = hf_load(tmp_path / "again")
