@@ -259,13 +259,51 @@ def test_selective_recompute_drops_what_the_selected_modules_no_longer_keep(comp
 def test_planned_peak_matches_a_measured_tp2_fit_with_selective_and_partial_full_recompute():
     """Two ``lit_moe fit`` processes under tensor parallel 2 (sequence parallel), layer 0 recomputed whole,
     ``self_attention`` of layers 1-3 and ``mlp.experts`` of layers 1-2 selectively: each rank's peak
-    resident increase over the plan's peak less the parameters. Measured ratios RATIO_NOTE; tolerance
-    TOL. Without the sequence split (everything on the whole sequence) or without the selection's drop
-    the plan is off by more than that (benchmarks/planted_bugs.py)."""
+    resident increase over the plan's peak less the parameters. Measured ratios 1.022 / 1.020 (289.5 /
+    288.8 MiB over 283.1 MiB); tolerance 6%. Without the selection's drop the plan says 438 MiB
+    (benchmarks/planted_bugs.py); the sequence split moves it by 4% only in this small model, so it is
+    checked by hand below."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plan_memory import compare
 
     rows = compare("tp2_select_partial_full")
     assert len(rows) == 2
     for rank, measured, planned in rows:
-        assert abs(measured / planned - 1) <= TOL, (rank, measured, planned)
+        assert abs(measured / planned - 1) <= 0.06, (rank, measured, planned)
+
+
+def test_sequence_split_by_hand():
+    """Tensor parallel 2 with sequence parallel, one dense layer (fp32, fused attention, projections not
+    fused as under FSDP), each saved tensor by hand: the norms on the rank's half of the tokens, each
+    block's gathered input and the latent projections on all of them, heads and MLP columns halved;
+    then the plan's activations (one rank, no pipelines) as the sum of its layers, head and rotary
+    angles with the tensor-parallel degree passed through."""
+    from types import SimpleNamespace
+
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import (head_bytes, head_transient_bytes, layer_activation_bytes,
+                                                      per_forward_bytes)
+    from lit_moe.strategies.memory_plan import activations_by_rank
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_plan import _tiny_pipeline_model
+
+    cfg = DeepseekV3Config(**_tiny_pipeline_model())   # H 64, q/kv rank 32/16, 4 heads of 16+8 / 16, F 128
+    B, S, tp = 2, 64, 2
+    T, Th, H, n = B * S, B * S // tp, 64, 2              # all tokens, this rank's tokens, hidden, heads here
+    norm = lambda t, d: (t * d + t + t * d) * 4         # x, rsqrt, x * rsqrt (fp32)
+    hand = (norm(Th, H) + T * H * 4                       # input_layernorm; gathered input
+            + norm(T, 32) + T * 32 * 4                    # q_a_layernorm on q_a's output; q_b_proj's input
+            + norm(T, 16) - T * 16 * 4 + T * 24 * 4 + T * 16 * 4   # kv_a_layernorm on kv_a's [T, 16+8]; kv_b's input
+            + 2 * T * n * 24 * 4 + T * n * 16 * 4         # query, key, value (this rank's heads)
+            + T * n * 16 * 4 + B * n * S * 4              # output, log-sum-exp
+            + T * n * 16 * 4                              # o_proj's input
+            + norm(Th, H) + T * H * 4                     # pre_mlp_layernorm; gathered MLP input
+            + T * 2 * 64 * 4 + 2 * T * 64 * 4)            # gate|up, activation, product (128 / tp columns)
+    kwargs = dict(tp=tp, heads=n, weight_copies=False, fused_weights=False)
+    assert layer_activation_bytes(cfg, 0, T, B, S, **kwargs) == hand
+
+    dims = SimpleNamespace(tp=tp, cp=1, pp=1, world_size=2)
+    layers = sum(layer_activation_bytes(cfg, i, T, B, S, **kwargs) for i in range(cfg.num_hidden_layers))
+    expected = per_forward_bytes(cfg, T) + layers + head_bytes(cfg, T, tp) + head_transient_bytes(cfg, T, tp)
+    assert activations_by_rank(cfg, dims, None, 1, B, S, frozenset()) == [expected]

@@ -12,7 +12,9 @@ the bytes one layer's forward saves on the CPU. Core attention has two variants:
   log-sum-exp, O(S);
 * ``math`` (torch's SDPA math path, taken on the CPU): the softmax probabilities, O(S^2).
 
-Full recompute of a layer keeps only its input. Not counted: the gradient buffers of backward, the
+Full recompute of a layer keeps only its input; selective recompute drops what the selected modules saved
+and keeps their inputs (each saved tensor has an owner module and a storage name, :func:`layer_saved_tensors`).
+Not counted: the gradient buffers of backward, the
 stage's output kept by the pipeline schedule (it is not saved by an op), the embedding's token ids.
 The last stage adds the final norm and the fused loss head (:func:`head_bytes`), once per MTP depth too.
 

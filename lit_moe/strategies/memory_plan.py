@@ -12,10 +12,13 @@ joins the fp32 sum, and that layer's fp32 reduce-scatter input). The headline is
 ``benchmarks/plan_memory.py`` measures) one layer's fp32 ``S x S`` scores and their gradient are held
 next to the saved probabilities for a moment; the fused kernels of GPUs and NPUs have no such term.
 
-Recompute: ``recompute.mode: full`` layers keep only their input; ``mode: select`` modules are not
-modelled (their saved tensors are counted as kept, an over-estimate). The plan also gives every rank's
-peak with full recompute of every layer, and with bf16 optimizer moments, which is what it names when
-the run does not fit (``--device-memory``).
+Recompute: ``recompute.mode: full`` layers keep only their input; ``select_module`` modules keep their
+inputs instead of their saved tensors and ``recompute_comm``'s all-gathers their local shard
+(:func:`configured_selection`, :func:`lit_moe.strategies.activation_memory.selected_saved_tensors`);
+a recomputed layer or module saves its tensors again while its backward runs. Tensor parallel's
+sequence split is counted per saved tensor (:func:`~lit_moe.strategies.activation_memory.layer_saved_tensors`).
+The plan also gives every rank's peak with full recompute of every layer, and with bf16 optimizer
+moments, which is what it names when the run does not fit (``--device-memory``).
 """
 
 from __future__ import annotations
