@@ -189,6 +189,13 @@ def test_strategy_is_registered_and_validates_its_section():
             check_parallelism_section(ParallelismConfig(**{field: value}))
         with pytest.raises(ConfigError, match=word):
             AscendFSDPStrategy(parallelism=ParallelismConfig(**{field: value}))
+    # ZeRO-1 keeps the gathered parameters through the step: resharding after every forward contradicts it
+    with pytest.raises(ConfigError) as err:
+        check_parallelism_section(ParallelismConfig(data_parallel_shard_strategy="optim",
+                                                    reshard_after_forward_policy="always"))
+    assert str(err.value).startswith("parallelism.reshard_after_forward_policy: 'always' contradicts "
+                                     "data_parallel_shard_strategy 'optim'") and "\n" not in str(err.value)
+    check_parallelism_section(ParallelismConfig(data_parallel_shard_strategy="optim", pipeline_parallel=2))
 
 
 def test_strategy_sampler_and_groups_follow_the_dp_mesh(fake_world):
@@ -228,8 +235,9 @@ def test_gradient_sync_switch(fake_world):
 
     fake_world(2)
 
-    def build(sync: bool):
-        s = AscendFSDPStrategy(parallelism=ParallelismConfig(gradient_sync_every_microbatch=sync))
+    def build(sync: bool, strategy: str = "optim_grads_params"):
+        s = AscendFSDPStrategy(parallelism=ParallelismConfig(gradient_sync_every_microbatch=sync,
+                                                             data_parallel_shard_strategy=strategy))
         dims = s._make_parallel_dims(2)
         dims.build_meshes("cpu")
         s._parallel_dims = dims
@@ -254,6 +262,16 @@ def test_gradient_sync_switch(fake_world):
     s, mods = build(sync=True)
     s.set_gradient_sync(False)          # always sync: the switch is ignored
     assert syncing(mods) == {True}
+
+    def resharding(mods):
+        return {g.reshard_after_backward for m in mods for g in m._get_fsdp_state()._fsdp_param_groups}
+
+    assert resharding(mods) == {True}   # ZeRO-3 and ZeRO-2 reshard after every backward
+    s, mods = build(sync=True, strategy="optim")
+    s.set_gradient_sync(False)          # ZeRO-1: once per step whatever the switch, parameters kept
+    assert syncing(mods) == resharding(mods) == {False}
+    s.set_gradient_sync(True)           # the step's last micro-batch: reduce, then free the gathered copy
+    assert syncing(mods) == resharding(mods) == {True}
 
 
 # ----------------------------------------------------------------------------------------------
