@@ -2,9 +2,9 @@
 (``model.compute_dtype: auto``) and the MFU peak of CPUs and unknown accelerators.
 
 Whether bf16 is the fast dtype depends on the CPU: with AMX or AVX512-BF16 (Intel Cooper Lake,
-Sapphire Rapids and later, AMD Zen 4 and later) oneDNN multiplies bf16 2-4x faster than fp32;
+Sapphire Rapids and later, AMD Zen 4 and later) oneDNN multiplies bf16 faster than fp32;
 without them (AVX2-only CPUs: AMD Zen 2/3, older Intel, many laptops) torch emulates bf16 and its
-matmuls run 30-200x *slower* than fp32. :func:`bf16_check` times one small matmul in each dtype
+matmuls run many times *slower* than fp32 (measured ratios in benchmarks/README.md). :func:`bf16_check` times one small matmul in each dtype
 (a few milliseconds) and cross-checks torch's capability query; accelerators answer from the
 query (``torch.cuda.is_bf16_supported``; Ascend NPUs have native bf16).
 
@@ -27,7 +27,7 @@ START_N = 256            # first matmul size of every probe: 33.6 MFLOP, ~0.1 s 
 PEAK_BUDGET_S = 1.0      # time the MFU peak probe may take
 DTYPE_BUDGET_S = 0.05    # time the bf16 check may take (after three matmuls of each dtype)
 NATIVE_RATIO = 0.5       # bf16 counts as native when it runs at >= half the fp32 rate
-                         # (measured: 3.5x with AMX, 0.006x on AVX2-only oneDNN)
+                         # (the measured ratios are far on either side: benchmarks/README.md)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -57,7 +57,7 @@ def matmul_rate(device: torch.device | str, dtype: torch.dtype, budget_s: float,
     ``max_n`` (default 2048 on a CPU, 8192 on an accelerator); stops after ``repeats`` timed matmuls
     at the largest size or when the budget is spent. On a device whose speed holds steady the only
     overrun is the first two ``START_N`` matmuls on a device too slow for even those (on a loaded
-    machine, the last matmul taking longer than the one before: measured 7% at load average 18)."""
+    machine, the last matmul taking longer than the one before: a few percent, benchmarks/README.md)."""
     device = torch.device(device)
     max_n = max_n or (2048 if device.type == "cpu" else 8192)
     deadline = time.perf_counter() + budget_s

@@ -351,7 +351,7 @@ class LitMoE(LightningModule):
             if flags:
                 agree_on_signal(vec[4:])
             losses = vec[:3] / world
-            # Every sample reaches all tensor/context-parallel ranks of its data-parallel rank:
+            # Every sample reaches all tensor/context/pipeline-parallel ranks of its data-parallel rank:
             # count its tokens once (rounded when read).
             tokens = vec[3] / self.step_strategy.batch_replicas
         step = self.trainer.global_step

@@ -15,7 +15,7 @@ Face's: ``lit_moe.model.names.spellings``); a rule that matches no parameter of 
 
 Parameter groups are split by (algorithm, decay, plain tensor vs DTensor): torch's foreach and fused
 kernels reject a list mixing plain tensors and DTensors, while DTensors on different meshes are fine in
-one group (torch 2.13). So the default ``foreach=None`` (torch picks foreach on CUDA/NPU, a loop on CPU)
+one group (version note in benchmarks/README.md). So the default ``foreach=None`` (torch picks foreach on CUDA/NPU, a loop on CPU)
 is always safe; ``fused: True`` asks for the fused kernel.
 
 ``type: Muon`` returns a :class:`MuonWithAdamW`, one ``torch.optim.Optimizer`` holding a

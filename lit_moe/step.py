@@ -65,7 +65,9 @@ _LAZY_FIELDS = ("loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "skipped", "s
 
 class StepMetrics:
     """What one optimizer step produced (``LitMoE.step_metrics``, None before the first step).
-    The same on every rank (losses and counts are reduced over ranks before it is built). Read-only.
+    Losses, token count, gradient norm and learning rate are the same on every rank (reduced over
+    ranks before it is built); ``micro_losses`` are this rank's, and under pipeline parallelism
+    ``moe`` holds this stage's MoE layers only. Read-only.
 
     The step leaves its numbers on the device: reading any of ``loss``, ``aux_loss``, ``mtp_loss``,
     ``grad_norm``, ``lr``, ``skipped``, ``skipped_steps``, ``tokens`` or ``micro_losses`` copies all of
@@ -253,8 +255,9 @@ class StepStrategy(ABC):
     @property
     @abstractmethod
     def batch_replicas(self) -> int:
-        """How many ranks receive each sample (tensor × context parallel): the global token count
-        is the sum over ranks divided by this."""
+        """How many ranks receive each sample (tensor × context × pipeline parallel: every rank of
+        one data-parallel rank's model replica): the global token count is the sum over ranks divided
+        by this."""
 
     @abstractmethod
     def parallel_degrees(self) -> dict[str, int]:

@@ -285,7 +285,7 @@ class DeepseekV3Config:
     value; ``fit`` and ``plan`` resolve it for the run's device and print what it became, a config
     built in Python resolves it for this machine's default device): ``bfloat16`` where
     bf16 is native (GPUs, Ascend NPUs, CPUs with AMX or AVX512-BF16), ``float32`` elsewhere (CPUs
-    with AVX2 only, where torch's bf16 matmuls run 30-200x slower than fp32). An explicit
+    with AVX2 only, where torch's bf16 matmuls run many times slower than fp32: benchmarks/README.md). An explicit
     ``bfloat16`` is kept on such a CPU, with one start-up line giving the measured rates."""
     layernorm_compute_dtype: str = "float32"
     """dtype norms compute in (result cast back)."""
@@ -297,8 +297,8 @@ class DeepseekV3Config:
     """Compile every decoder layer (MTP layers' included) with ``torch.compile`` (inductor), which
     fuses their element-wise work (norms, rotary, casts, SwiGLU, attention softmax), and the output
     head (norm, fused linear-cross-entropy or head GEMM + loss). ``null`` (default): on for CUDA,
-    where compiled layers run faster, off on other devices (on a CPU the compiled step is ~10% faster
-    at the benchmark's size, but compiling costs tens of seconds at start-up and needs a C++ compiler).
+    where compiled layers run faster, off on other devices (on a CPU the compiled step is a little faster
+    at the benchmark's size, see benchmarks/README.md, but compiling costs tens of seconds at start-up and needs a C++ compiler).
     With several ranks, parts that would break a compiled graph stay eager: a MoE layer compiles its
     attention half only (its experts are an FSDP unit of their own, expert-parallel dispatch needs
     host split sizes), with asynchronous context parallel the feed-forward half only, and the head

@@ -258,7 +258,8 @@ def _grouped_mm_aligned(hidden: int, gate_up: int, down_out: int, element_size: 
 
 def grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """grouped_mm needs 16-byte-aligned strides (on CPU) and a device/dtype it is implemented for;
-    under torch.compile only bf16 (its shape function rejects other dtypes, torch 2.13)."""
+    under torch.compile only bf16 (its shape function rejects other dtypes; version note in
+    benchmarks/README.md)."""
     if not _grouped_mm_aligned(x.shape[-1], w1.shape[-1], w2.shape[-1], x.element_size()):
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:

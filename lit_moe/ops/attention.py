@@ -2,9 +2,9 @@
 
 PyTorch's CPU SDPA has two paths for training. Its fused flash kernel needs ``d_qk == d_v``, which
 MLA breaks (192 vs 128 in DeepSeek-V3), so MLA lands on the math path, which upcasts q, k, v and the
-``[B, h, S, S]`` score table to fp32 and materialises all of it, masked half included: on a 2-core
-CPU it ran 3x slower than this function (and padding v to ``d_qk`` to reach the flash kernel only
-won 1.5x, its backward is slow).
+``[B, h, S, S]`` score table to fp32 and materialises all of it, masked half included: on a CPU
+it runs several times slower than this function, and padding v to ``d_qk`` to reach the flash kernel
+wins less (its backward is slow; measured in benchmarks/README.md).
 
 Here the queries are cut into blocks of ``block`` rows; block ``i`` (rows ``[s0, s1)``) only meets
 keys ``[0, s1)``, so the upper triangle beyond the diagonal blocks is never computed (about 5/8 of

@@ -18,10 +18,10 @@ Not counted: the gradient buffers of backward, the
 stage's output kept by the pipeline schedule (it is not saved by an op), the embedding's token ids.
 The last stage adds the final norm and the fused loss head (:func:`head_bytes`), once per MTP depth too.
 
-Zero-bubble schedules (``interleaved_zb``, ``zbv``) split a stage's backward in two (torch 2.13,
-``pipelining/_backward.py``): the input-gradient step ``I`` runs ``autograd.grad`` to the stage input
+Zero-bubble schedules (``interleaved_zb``, ``zbv``) split a stage's backward in two (torch's
+``pipelining/_backward.py``; version note in benchmarks/README.md): the input-gradient step ``I`` runs ``autograd.grad`` to the stage input
 with ``retain_graph=True``, so every tensor the chunk saved stays until its weight-gradient step ``W``
-(measured: all but a few bytes of the chunk), and it keeps, per micro-batch, the gradient of each op's
+(all of the chunk's saved tensors; measured in benchmarks/README.md), and it keeps, per micro-batch, the gradient of each op's
 output where the input path meets a weight (the ``param_groups`` "intermediates": each GEMM's and norm's
 output gradient, :func:`layer_weight_grad_bytes`) until ``W`` runs ``autograd.grad`` from them to the
 weights. ``W`` frees both. The first stage has no input gradient: torch skips its ``I`` and runs the

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 
-# torch 2.13 renamed the tensor collectives (the old names warn)
+# newer torch renamed the tensor collectives (the old names warn; version note in benchmarks/README.md)
 def _all_gather_single(out: torch.Tensor, src: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, src, group=group)

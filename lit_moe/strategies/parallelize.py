@@ -15,8 +15,8 @@ reduced in fp32 (``accumulate_allreduce_grads_in_fp32``); the router keeps ``rou
 
 One process skips FSDP entirely: nothing is sharded and the model casts to ``compute_dtype`` itself
 (``ops.Linear`` casts its fp32 weight to the activation dtype, the embedding output is cast), so the
-plain module is the cheapest correct path; a one-rank FSDP2 measured ~40% slower per step on the
-tiny CPU model (its all-gather copies and hooks buy nothing there).
+plain module is the cheapest correct path; a one-rank FSDP2 is slower per step on the tiny CPU model
+(its all-gather copies and hooks buy nothing there; measured in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def apply_fsdp(model: nn.Module, dims, config: Any, parallelism: ParallelismConf
             experts.set_gradient_divide_factor(expert_factor or float(dims.dp_cp))
             if dims.efsdp > 1 and _backend(emesh) != "nccl":
                 # Only NCCL has PREMUL_SUM; elsewhere reduce with SUM and divide after. (Not with one
-                # shard: torch 2.13 then divides in its copy path and again after.)
+                # shard: torch then divides in its copy path and again after; version note in
+                # benchmarks/README.md.)
                 experts.set_force_sum_reduction_for_comms(True)
             if hasattr(experts, "set_reduce_scatter_unused_params"):
                 experts.set_reduce_scatter_unused_params(True, recurse=False)

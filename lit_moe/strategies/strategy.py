@@ -154,8 +154,8 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
 
     @property
     def batch_replicas(self) -> int:
-        """Ranks that receive each sample: the tensor- and context-parallel ranks of one
-        data-parallel rank (the sequence is split inside the model)."""
+        """Ranks that receive each sample: the tensor-, context- and pipeline-parallel ranks of one
+        data-parallel rank (the sequence is split inside the model; every stage reads the batch)."""
         return self.parallel_dims.tp * self.parallel_dims.cp * self.parallel_dims.pp
 
     def parallel_degrees(self) -> dict[str, int]:
