@@ -77,8 +77,9 @@ class _Position:
 class MegatronSampler(DistributedSampler):
     """Indices of one data-parallel rank, starting at the consumed-samples position.
 
-    A ``DistributedSampler`` subclass only so that Lightning leaves it in place instead of injecting its
-    own; none of the parent's logic is used."""
+    The training loader reads it through :class:`StepSampler` (whole steps). A ``DistributedSampler``
+    subclass only so that Lightning leaves a loader built on it in place instead of injecting its own;
+    none of the parent's logic is used."""
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, micro_batch_size: int,
                  drop_last: bool, shuffle: bool, seed: int, position: _Position, pad_shards: bool = False) -> None:
