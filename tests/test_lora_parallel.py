@@ -7,14 +7,13 @@ bit-identical, the optimizer holds state for the adapters only, and the evaluati
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from test_parallel_numerics import model_section, train
-from helpers import scaled  # noqa: E402
+from helpers import run_ranks  # noqa: E402
 
 LORA = dict(target_modules=r"(q_a_proj|q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj|experts)$",
             lora_rank=4, lora_alpha=8, lora_b_std=0.02)
@@ -166,16 +165,7 @@ def results(tmp_path_factory):
 
 
 def launch_self(out: Path, names: list[str]) -> None:
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--worker", str(out), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(400), cwd=str(root))
-    if proc.returncode != 0:
-        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_ranks(worker_main, 2, str(out), names, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +196,3 @@ def test_lora_layout_matches_one_process(name, results, ref):
     want = ref["val_loss_dp2"] if got["dp"] == 2 else ref["val_loss_one_rank"]
     assert got["val_loss"] == pytest.approx(want, rel=1e-5), name
 
-
-if __name__ == "__main__" and "--worker" in sys.argv:
-    i = sys.argv.index("--worker")
-    worker_main(sys.argv[i + 1], sys.argv[i + 2:])
