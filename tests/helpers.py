@@ -129,6 +129,140 @@ def retry_on_port_clash(launch, tries: int = 4) -> list[tuple[int, str]]:
     return launch(_port_nobody_holds())
 
 
+def run_ranks(target, world: int, *args, timeout: float = 300, torchrun: bool = True,
+              output: Path | None = None) -> None:
+    """``target(*args)`` in ``world`` processes forked from this one, each with the environment torchrun
+    gives its workers (rank, world size, the agent's store): real processes with a real gloo group, as
+    under ``torch.distributed.run``, but without an interpreter start per rank (8-12 s of imports each
+    on a small machine; the fork inherits them) and without torchrun's agent (one more start). This
+    process hosts the launch's TCP store, as the agent does: no port is picked and released.
+    ``torchrun=False`` (one process): no launcher's environment, as ``python -m`` would run it.
+    ``output``: each rank's stdout and stderr go to ``output/rank<R>.log`` (else to this process's).
+
+    Each rank starts as a fresh worker would: one thread, a random seed of its own, no compiled code,
+    Lightning's rank from the environment, and no garbage of this process to collect (``gc.freeze``:
+    an inherited gloo group freed in a fork waits forever). ``timeout`` (quiet machine) is ``scaled``;
+    a rank that fails ends the launch (torch.multiprocessing's ``ProcessRaisedException`` with its
+    traceback, or ``ProcessExitedException`` with its exit status), and a launch past the deadline is
+    killed and fails."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    import lit_moe.cli  # noqa: F401  (torch, Lightning, the model and the strategies: imported once, here)
+
+    assert not dist.is_initialized(), "a process group of this process would be inherited by the ranks"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if torchrun else None
+    env = _torchrun_env(world, store.port) if torchrun else {}
+    gc.collect()
+    gc.freeze()
+    try:
+        ctx = mp.start_processes(_rank_main, args=(env, output, target, args), nprocs=world, join=False,
+                                 start_method="fork")
+    finally:
+        gc.unfreeze()
+    deadline = scaled(timeout)
+    end = time.monotonic() + deadline
+    try:
+        # a rank that fails: the others get torchrun's 30 s to stop before they are killed
+        while not ctx.join(timeout=max(0.0, min(5.0, end - time.monotonic())), grace_period=scaled(30)):
+            if time.monotonic() > end:
+                raise AssertionError(f"{world} forked ranks of {target.__name__} ran past {deadline:.0f} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    del store
+
+
+def _torchrun_env(world: int, port: int) -> dict:
+    """What ``torch.distributed.run --standalone --nproc_per_node WORLD`` sets for its workers (the rank
+    variables are added per rank), its agent's store at ``port``."""
+    return dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world), GROUP_RANK="0",
+                GROUP_WORLD_SIZE="1", ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_RUN_ID="forked", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
+
+
+def _rank_main(rank: int, env: dict, output: Path | None, target, args) -> None:
+    import torch
+    import torch._dynamo
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    for key in LAUNCH_VARS:
+        os.environ.pop(key, None)
+    if env:
+        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+    if output is not None:
+        _output_to(Path(output) / f"rank{rank}.log")
+    torch.set_num_threads(1)
+    torch.seed()                          # a fresh interpreter's generator is seeded at random
+    torch._dynamo.reset()
+    rank_zero_only.rank = rank           # Lightning reads it from the environment at import
+    target(*args)
+
+
+def _output_to(path: Path) -> None:
+    """This process's stdout and stderr (the descriptors, ``sys``'s streams and the console handlers
+    set up at import, Lightning's) to ``path``, as a fresh process started with them there."""
+    import logging
+
+    log = open(path, "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if type(handler) is logging.StreamHandler:
+                handler.setStream(sys.stderr)
+
+
+def rank_logs(output: Path) -> str:
+    """What ``run_ranks(..., output=OUTPUT)``'s ranks wrote, rank 0 first."""
+    return "".join(p.read_text() for p in sorted(Path(output).glob("rank*.log"), key=lambda p: int(p.stem[4:])))
+
+
+def cli_in_ranks(args: list[str], world: int, cwd: Path, timeout: float = 300,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node WORLD -m lit_moe.cli ARGS`` (``python -m lit_moe.cli ARGS`` for one)
+    in ``cwd`` with ``env`` added to the environment, the ranks forked from this process (``run_ranks``;
+    tests/ is on the path): the exit status (0, or the first failing rank's) and what the ranks wrote to
+    stdout and stderr, rank 0 first (as both). For what a run does; ``run_cli`` tests a fresh
+    interpreter."""
+    import tempfile
+
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    if world == 1 and "--trainer.devices" in args and args[args.index("--trainer.devices") + 1] != "1":
+        # Lightning would start the other ranks itself, running this process's command line (pytest)
+        raise ValueError("--trainer.devices N > 1 in one forked process: give cli_in_ranks the world size")
+    output = Path(tempfile.mkdtemp(prefix="lit_moe_ranks_"))
+    code, failure = 0, ""
+    try:
+        run_ranks(_cli_rank, world, list(args), str(cwd), dict(env or {}), timeout=timeout, torchrun=world > 1,
+                  output=output)
+    except ProcessExitedException as e:
+        code = e.exit_code
+    except ProcessRaisedException as e:
+        code, failure = 1, str(e)
+    out = rank_logs(output)
+    return subprocess.CompletedProcess(["lit_moe", *args], code, out, out + failure)
+
+
+def _cli_rank(args: list[str], cwd: str, env: dict) -> None:
+    from lit_moe.cli import main
+
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)     # as ``python -m`` puts its working directory first
+    code = main(list(args))
+    if code:
+        sys.exit(code)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does). ``timeout`` is
     for a quiet machine and is ``scaled``; a ``PYTHONPATH`` in ``env`` is added to the inherited one."""
