@@ -217,7 +217,7 @@ def _output_to(path: Path) -> None:
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):
             if type(handler) is logging.StreamHandler:
-                handler.setStream(sys.stderr)
+                handler.stream = sys.stderr    # not setStream: it flushes the old one, maybe closed
 
 
 def rank_logs(output: Path) -> str:

@@ -3,13 +3,15 @@ pipeline layouts against the same training in one process without any parallelis
 global batch and micro-batches; loss, pre-clip global gradient norm, expert biases and final
 parameters within 1e-5 relative: a stage changes no arithmetic inside its layers).
 
-The reference is the plain model in this pytest process; the layouts run in real gloo processes
-forked with torchrun's environment (``helpers.run_ranks``), one launch per world size.
+The reference is the plain model in this pytest process; the layouts run as real
+``torch.distributed.run`` subprocesses of this file (``--worker``), one launch per world size.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +21,7 @@ import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
-from helpers import cli_in_ranks, run_ranks, selected_layouts  # noqa: E402
+from helpers import scaled, selected_layouts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -385,7 +387,11 @@ def worker(world: int, out_dir: str, only: list[str]) -> None:
 
 
 def _launch(world: int, out_dir: Path, names: list[str]) -> None:
-    run_ranks(worker, world, world, str(out_dir), names, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           __file__, "--worker", str(world), str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(600))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -487,8 +493,13 @@ def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "",
     record = tmp_path / f"{name}.steps.jsonl"
     cfg["callbacks"] = [{"class_path": "capture_callbacks.StepRecorder", "init_args": {"path": str(record)}}]
     path = write_config(tmp_path, cfg, f"{name}.yaml")
-    proc = cli_in_ranks(["fit", "--config", str(path), "--trainer.accelerator", "cpu"], world, tmp_path, timeout=400)
-    log = proc.stderr
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m"]
+                if world > 1 else [sys.executable, "-m"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400))
+    log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     val = json.loads(Path(str(record) + ".val.json").read_text())
@@ -604,3 +615,6 @@ def test_zero_bubble_with_fsdp_refuses_resharding_always():
         assert "\n" not in msg and "2 ranks per stage" in msg
     assert all(p.device.type == "meta" and type(p) is torch.nn.Parameter for p in model.parameters())  # untouched
 
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
