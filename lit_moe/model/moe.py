@@ -59,6 +59,8 @@ class Router(nn.Module):
     ``router_dense_type``; ``scores`` are the full (unbiased) score table the aux losses use.
     """
 
+    has_expert_bias = True    # the hash router's selection reads none
+
     def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
         super().__init__()
         E = config.n_routed_experts
