@@ -44,6 +44,15 @@ def sinkhorn(logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
     return m
 
 
+def _copy_full(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.copy_(value)`` for a plain or a sharded (DTensor, FSDP) parameter; ``value`` is the full tensor."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None)
+    p.copy_(value)
+
+
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """``[B, S, H]`` → ``n`` copies ``[B, S, n, H]``."""
     return x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
@@ -71,7 +80,7 @@ class HyperConnection(nn.Module):
         n = self.n
         self.scale.fill_(self.init_gating)
         mixing = (torch.eye(n) - 1) * 5
-        self.base.copy_(torch.cat([torch.full((n,), -math.log(3)), torch.zeros(n), mixing.flatten()]))
+        _copy_full(self.base, torch.cat([torch.full((n,), -math.log(3)), torch.zeros(n), mixing.flatten()]))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [B, S, n, H]`` → (post ``[B, S, n]``, comb ``[B, S, n, n]``, collapsed ``[B, S, H]``)."""
