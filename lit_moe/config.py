@@ -508,6 +508,13 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "model.pretraining_tp": "Hugging Face config.json; no effect in DeepSeek-V3",
     "model.output_router_logits": "Hugging Face: return router logits from forward",
     "model.ep_size": "DeepSeek's original config.json; parallelism.expert_parallel sets expert parallelism",
+    "model.qk_clip":
+        "no MindFormers code reads a model.qk_clip (its QK-clip is optimizer.qk_clip_enabled, which lit_moe "
+        "reads too)",
+    "model.moe_router_pre_softmax":
+        "MindFormers' PyNative router does not read it (only its config check does); lit_moe's router "
+        "scores every expert before the top-k (pre-softmax) and renormalises the chosen ones with "
+        "norm_topk_prob, which equals a softmax after the top-k",
     "model.seq_aux": "DeepSeek's original config.json: sequence-wise aux loss, set by "
                      "moe_router_load_balancing_type",
     "model._name_or_path": "Hugging Face config.json bookkeeping",

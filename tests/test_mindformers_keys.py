@@ -15,7 +15,8 @@ from helpers import tiny_config, write_config
 from lit_moe.cli import main
 
 DATA = Path(__file__).parent / "data" / "mindformers_pynative"
-FIXTURES = sorted(p.name for p in DATA.glob("*.yaml"))
+# (pynative_deepseek4.yaml: tests/test_family_v4.py, which refuses its tp2·pp2 layout and trains in one process)
+FIXTURES = sorted(p.name for p in DATA.glob("*.yaml") if p.name != "pynative_deepseek4.yaml")
 
 # pynative_ds3.yaml's model at a size a CPU test trains (its other keys are kept as written)
 DS3_SHRINK = dict(vocab_size=512, seq_length=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -300,6 +300,14 @@ MINDFORMERS = {
 }
 # lit_moe switches MindFormers has no key for.
 LIT_MOE_ONLY = {"gelu_approximate", "silu_inplace", "use_fused_swiglu", "torch_compile"}
+# DeepSeek-V4 (TransformerConfig defaults: mHC off, 4 streams, 20 Sinkhorn rounds, gating 0.01, no hash
+# layers, no SwiGLU clamp, no attention variant; enable_hc_head None there, read as False)
+MINDFORMERS.update(experimental_attention_variant=None, enable_hyper_connections=False, hc_mult=4,
+                   hc_sinkhorn_iters=20, hc_eps=1e-6, enable_hc_head=False, mhc_init_gating_factor=0.01,
+                   num_hash_layers=0, swiglu_limit=None)
+# the fields of DeepSeek-V4's own attention (experimental_attention_variant: dsv4_hybrid), unused otherwise
+LIT_MOE_ONLY |= {"layer_types", "compress_rates", "compress_rope_theta", "sliding_window", "o_groups", "o_lora_rank",
+                 "index_n_heads", "index_head_dim", "index_topk"}
 
 
 def test_every_model_default_is_mindformers_or_a_documented_exception(caplog, monkeypatch):

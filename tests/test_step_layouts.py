@@ -52,6 +52,13 @@ FAMILY_SECTIONS = {
                      qk_layernorm=True),
     # DeepSeek-V3.2: each query attends to the indexer's 8 best of its keys (SEQ 32), the MTP layer's too
     "deepseek_v32": dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16),
+    # DeepSeek-V4: its attention (sliding, CSA with indexer, HCA), two mHC streams, a hash-routed first layer
+    "deepseek_v4": dict(model_type="deepseek_v4", head_dim=16, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=16,
+                        index_n_heads=2, index_head_dim=16, index_topk=2, sliding_window=4, hc_mult=2,
+                        num_hash_layers=1, n_group=1, topk_group=1, first_k_dense_replace=0, swiglu_limit=1.0,
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
 }
 
 
@@ -85,6 +92,8 @@ LAYOUTS = {
     "glm4_tp2": _layout(2, tp=2, family="glm4_moe"),
     # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel
     "v32_tp2": _layout(2, tp=2, family="deepseek_v32"),
+    # DeepSeek-V4's pieces (hash router, mHC streams, its attention) under FSDP + expert parallel
+    "v4_dp2_ep2": _layout(2, ep=2, family="deepseek_v4"),
 }
 
 
@@ -154,7 +163,10 @@ def build_run(spec: dict, dp_rank_of=None):
         use_aot_eager_backend()
     training = TrainingConfig(steps=STEPS, local_batch_size=GLOBAL // (spec["dp"] * A), global_batch_size=GLOBAL,
                               max_norm=1.0, seed=7)
-    optimizer = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    # DeepSeek-V4: the first layer's mHC stream mixing sees n copies of one embedding, so some of its
+    # gradient elements are rounding noise (~1e-9); AdamW's eps 1e-8 would turn them into full-size updates
+    eps = 1e-6 if spec["family"] == "deepseek_v4" else 1e-8
+    optimizer = {"type": "AdamW", "betas": [0.9, 0.95], "eps": eps, "weight_decay": 0.01}
     schedule = {"type": "CosineWithWarmUpLR", "learning_rate": 3e-3, "warmup_steps": 1, "lr_end": 3e-4}
     module = LitMoE(cfg, optimizer, schedule, training, accumulation_steps=A)
     record = Record()
@@ -318,6 +330,10 @@ def references(request):
     return out
 
 
+def _mhc_gate(name: str) -> bool:
+    return "_hc." in name or name.startswith("hc_head.")
+
+
 def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return bool(torch.all((a - b).abs() <= rel * b.abs() + abs_))
@@ -347,8 +363,12 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         # norms) over all layouts and steps; bounds 10x
         for key, bound in (("grad_norms", 5e-6), ("update_norms", 5e-5)):
             worst = max(abs(g[key][n] - r[key][n]) / max(r[key][n], 1e-12) if r[key][n] else g[key][n]
-                        for n in r[key])   # step 1 at learning rate 0 (warm-up): every update exactly 0
+                        for n in r[key] if not _mhc_gate(n))   # step 1: lr 0, updates 0
             assert worst <= bound, (name, g["step"], key, worst)
+            # DeepSeek-V4's mHC gates: their Sinkhorn-projected mixing logits have gradients near rounding
+            # level at MindFormers' near-identity start (AdamW normalises them); measured worst 3.0e-4
+            hc = [abs(g[key][n] - r[key][n]) / max(r[key][n], 1e-12) for n in r[key] if _mhc_gate(n) and r[key][n]]
+            assert max(hc, default=0.0) <= 3e-3, (name, g["step"], key, max(hc))
     # the reference really trained: losses and biases move between steps
     assert ref[0]["loss"] != ref[-1]["loss"]
     assert (ref[0]["expert_bias"] != ref[-1]["expert_bias"]) == (spec["family"] != "qwen3_moe")   # Qwen3: no bias

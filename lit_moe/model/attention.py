@@ -36,15 +36,19 @@ class AttentionContext:
     """
 
     def __init__(self, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-                 full_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor]):
+                 full_mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor],
+                 position_ids: Optional[torch.Tensor] = None):
         self.cos, self.sin = cos, sin
         self.full_mask = full_mask        # None: plain causal
         self.window_mask = window_mask    # used by sliding-window layers
+        self.position_ids = position_ids  # [B, S] (DeepSeek-V4's attention computes its own rotary angles)
+        self.input_ids: Optional[torch.Tensor] = None   # [B, S], set by the model (hash-routed MoE layers)
 
     @classmethod
     def build(cls, config: DeepseekV3Config, position_ids: torch.Tensor,
               attention_mask: Optional[torch.Tensor] = None,
-              actual_seq_len: Optional[torch.Tensor] = None) -> "AttentionContext":
+              actual_seq_len: Optional[torch.Tensor] = None,
+              input_ids: Optional[torch.Tensor] = None) -> "AttentionContext":
         B, S = position_ids.shape
         device = position_ids.device
         cos = sin = None
@@ -56,14 +60,16 @@ class AttentionContext:
             window = allowed_mask(B, S, device, attention_mask=attention_mask,
                                   actual_seq_len=actual_seq_len, window_left=config.window_size[0],
                                   force=True)
-        return cls(cos, sin, full, window)
+        ctx = cls(cos, sin, full, window, position_ids)
+        ctx.input_ids = input_ids
+        return ctx
 
     def with_positions(self, config: DeepseekV3Config, position_ids: torch.Tensor) -> "AttentionContext":
         """The same masks with rotary angles of other positions (MTP depths)."""
         cos = sin = None
         if self.cos is not None:
             cos, sin = rotary_cos_sin(config, position_ids)
-        return AttentionContext(cos, sin, self.full_mask, self.window_mask)
+        return AttentionContext(cos, sin, self.full_mask, self.window_mask, position_ids)
 
 
 def document_ids(actual_seq_len: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from lit_moe.config import ConfigError
-from lit_moe.model.families import FAMILY_DEFAULTS
+from lit_moe.model.families import FAMILY_DEFAULTS, v4_layer_types_from_ratios
 from lit_moe.model.config_parsing import (  # noqa: F401  (public names of this module)
     _DTYPES,
     ALIASES,
@@ -47,10 +47,10 @@ class DeepseekV3Config:
     # ------------------------------------------------------------------ identity
     model_type: str = "deepseek_v3"
     """The model family: ``deepseek_v3`` (or ``deepseek_mtp``), ``deepseek_v32`` (DeepSeek-V3.2: sparse
-    attention), ``qwen3_moe`` (Qwen3-MoE) or ``glm4_moe`` (GLM-4-MoE); anything else is an error. A family sets the defaults of the fields its section leaves
+    attention), ``deepseek_v4``, ``qwen3_moe`` (Qwen3-MoE) or ``glm4_moe`` (GLM-4-MoE); anything else is an error. A family sets the defaults of the fields its section leaves
     out (``lit_moe.model.families.FAMILY_DEFAULTS``, README "Model families")."""
     architectures: Any = None
-    """``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Glm4MoeForCausalLM`` (a string or a
+    """``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM`` or ``DeepseekV4ForCausalLM`` (a string or a
     one-element list); informational."""
 
     # ------------------------------------------------------------------ sizes
@@ -128,19 +128,27 @@ class DeepseekV3Config:
     is full attention, the others sliding-window; a list of 0/1 per decoder layer (1 = sliding window,
     0 = full; MTP layers copy the last entry unless the list covers them too). None: all layers slide."""
 
-    # ------------------------------------------------------------------ DeepSeek-V3.2 sparse attention (DSA)
+    # ------------------------------------------------------------------ attention variants (V3.2, V4)
     experimental_attention_variant: Optional[str] = None
-    """``dsa``: DeepSeek-V3.2's sparse attention, MLA whose queries each attend only to the
-    ``index_topk`` keys a lightning indexer picks (``lit_moe/model/indexer.py``); needs
-    ``q_lora_rank``. The ``deepseek_v32`` family sets it; MindFormers turns it on with this key on a
-    DeepSeek-V3 model. None: dense attention."""
+    """None or ``mla``: the attention ``multi_latent_attention`` picks (MindFormers' PyNative DeepSeek-V4
+    test config trains V4 with MLA). ``dsa``: DeepSeek-V3.2's sparse attention, MLA whose queries each
+    attend only to the ``index_topk`` keys a lightning indexer picks (``lit_moe/model/indexer.py``);
+    needs ``q_lora_rank``; the ``deepseek_v32`` family sets it, MindFormers turns it on with this key on
+    a DeepSeek-V3 model. ``dsv4_hybrid``: DeepSeek-V4's attention (``lit_moe/model/v4_attention.py``,
+    Hugging Face ``DeepseekV4Attention``): one shared key=value head of ``head_dim``, low-rank queries
+    (``q_lora_rank``), interleaved RoPE on the trailing ``head_dim * partial_rotary_factor`` dims (undone
+    on the output), a learned per-head sink, a sliding window of ``sliding_window`` keys, per
+    ``layer_types`` compressed keys (CSA with its top-k indexer, HCA) and the grouped output projection
+    (``o_groups``, ``o_lora_rank``); the ``deepseek_v4`` family sets it."""
     index_topk: Optional[int] = None
-    """DSA: keys each query attends to (MindFormers: ``dsa_indexer_topk``); None with ``dsa``: 2048."""
+    """The lightning indexer's top-k. DSA: keys each query attends to (MindFormers:
+    ``dsa_indexer_topk``), None: 2048. ``dsv4_hybrid`` CSA layers: compressed entries each query keeps,
+    None: 512."""
     index_n_heads: Optional[int] = None
-    """DSA: indexer query heads (MindFormers: ``dsa_indexer_n_heads``); None with ``dsa``: 64."""
+    """The lightning indexer's query heads (MindFormers: ``dsa_indexer_n_heads``); None: 64."""
     index_head_dim: Optional[int] = None
-    """DSA: width of the indexer's query heads and key, at least ``qk_rope_head_dim`` (its leading dims
-    carry the rotary encoding; MindFormers: ``dsa_indexer_head_dim``); None with ``dsa``: 128."""
+    """The lightning indexer's head width; None: 128. DSA: at least ``qk_rope_head_dim`` (its leading
+    dims carry the rotary encoding; MindFormers: ``dsa_indexer_head_dim``)."""
     dsa_indexer_loss_coeff: Optional[float] = None
     """DSA: weight of DeepSeek's KL loss that trains the indexer towards the attention distribution.
     Not implemented yet: only None or 0 (the indexer gets no gradient, its weights stay as loaded)."""
@@ -273,6 +281,51 @@ class DeepseekV3Config:
     """lambda: the MTP loss is lambda / D * sum of the per-depth masked mean cross-entropies. (MindFormers
     has no default and fails without one once MTP is on; a section relying on 0.3 gets one line.)"""
 
+    # ------------------------------------------------------------------ DeepSeek-V4
+    layer_types: Any = None
+    """``dsv4_hybrid``: per decoder layer ``sliding_attention``, ``compressed_sparse_attention`` (CSA)
+    or ``heavily_compressed_attention`` (HCA). None: Hugging Face's default (2 HCA, then CSA/HCA
+    alternating). Hugging Face's older ``compress_ratios`` (0/4/128 per layer) is accepted."""
+    compress_rates: Any = None
+    """``dsv4_hybrid``: tokens per compressed entry, ``{compressed_sparse_attention: m,
+    heavily_compressed_attention: m'}``; None: 4 and 128."""
+    compress_rope_theta: float = 160000.0
+    """``dsv4_hybrid``: RoPE base of the compressed layers (sliding layers use ``rope_theta``)."""
+    sliding_window: int = 128
+    """``dsv4_hybrid``: keys a query sees in its local branch (itself and the ``sliding_window - 1``
+    before it)."""
+    o_groups: int = 8
+    """``dsv4_hybrid``: head groups of the grouped output projection."""
+    o_lora_rank: int = 1024
+    """``dsv4_hybrid``: per-group width of the grouped output projection."""
+    enable_hyper_connections: bool = False
+    """Manifold-constrained hyper-connections (mHC, DeepSeek-V4; ``lit_moe/model/hyper_connections.py``):
+    the residual is ``hc_mult`` streams; before attention and before the MLP a learned projection of the
+    normalised streams gives the collapse weights (sigmoid), the output weights (2 sigmoid) and a
+    doubly-stochastic stream mixing (Sinkhorn-Knopp); after the last layer the streams collapse
+    (``enable_hc_head``) ahead of the final norm."""
+    hc_mult: int = 4
+    """mHC: residual streams (MindFormers: ``num_residual_streams``)."""
+    hc_sinkhorn_iters: int = 20
+    """mHC: Sinkhorn-Knopp iterations (row softmax, one column normalisation, then ``iters - 1`` row/column
+    rounds; 0 and 1 both give the single column normalisation, as in MindFormers and Hugging Face)."""
+    hc_eps: float = 1e-6
+    """mHC: the epsilon added to the collapse weights and in the Sinkhorn normalisations (Hugging Face's
+    meaning; the streams' RMS norm uses ``rms_norm_eps``)."""
+    enable_hc_head: bool = False
+    """mHC: True collapses the final streams with a learned head (sigmoid weights from the normalised
+    streams; Hugging Face always); False averages them (MindFormers' default)."""
+    mhc_init_gating_factor: float = 0.01
+    """mHC: the initial gating scales of each hyper-connection (MindFormers' init: collapse bias
+    -log 3, output bias 0, mixing bias 5 (I - 1))."""
+    num_hash_layers: int = 0
+    """Hash routing (DeepSeek-V4): the first N MoE layers choose experts by a fixed token-id table
+    ``tid2eid [vocab, top-k]`` (initialised round-robin, ``(id + k) % n_routed_experts``, as MindFormers;
+    a checkpoint's table is loaded); the learned gate still weights them. MTP layers never hash."""
+    swiglu_limit: Optional[float] = None
+    """Clamp inside the gated activation (DeepSeek-V4: 10): gate <= limit, -limit <= up <= limit, for the
+    experts and the shared experts. None: no clamp (MindFormers: ``activation_func_clamp_value``)."""
+
     # ------------------------------------------------------------------ init, dtypes, tokens
     initializer_range: float = 0.02
     """Std of the normal init of every linear, embedding, router and expert weight."""
@@ -316,6 +369,9 @@ class DeepseekV3Config:
     # ------------------------------------------------------------------ construction
     def __init__(self, **kwargs: Any):
         qk_head_dim = kwargs.pop("qk_head_dim", None)
+        ratios = kwargs.pop("compress_ratios", None)   # Hugging Face's older spelling of layer_types
+        if ratios is not None and kwargs.get("layer_types") is None:
+            kwargs["layer_types"] = v4_layer_types_from_ratios(ratios)
         values = resolve_keys(kwargs, {f.name for f in dataclasses.fields(self)})
         hints = typing.get_type_hints(type(self))
         family = FAMILY_DEFAULTS.get(values.get("model_type", (None, None))[1], {})
@@ -382,6 +438,24 @@ class DeepseekV3Config:
     @property
     def group_limited(self) -> bool:
         return bool(self.n_group) and self.n_group > 1 and self.topk_group < self.n_group
+
+    @property
+    def v4_attention(self) -> bool:
+        """Whether the layers use DeepSeek-V4's attention (``experimental_attention_variant: dsv4_hybrid``)."""
+        return self.experimental_attention_variant == "dsv4_hybrid"
+
+    @property
+    def v4_rope_dim(self) -> int:
+        """DeepSeek-V4 attention: the rotated (trailing) dims of each head."""
+        return int(self.gqa_head_dim * self.partial_rotary_factor)
+
+    def compress_rate(self, layer_type: str) -> int:
+        """DeepSeek-V4 attention: source tokens per compressed entry of a CSA / HCA layer."""
+        return self.compress_rates[layer_type]
+
+    def is_hash_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a MoE layer routed by the token-id table (``num_hash_layers``)."""
+        return i < min(self.num_hash_layers, self.num_hidden_layers) and self.is_moe_layer(i)
 
     def torch_dtype(self, field_name: str) -> torch.dtype:
         """The ``torch.dtype`` of one of the dtype fields, e.g. ``config.torch_dtype("compute_dtype")``."""

@@ -18,11 +18,13 @@ import torch
 from lit_moe.config import (GRAPH_MODEL_BLOCK, NO_EFFECT_KEYS, ConfigError, loss_and_embedding_keys_without_effect,
                             note_loss_and_embedding_key, suggest)
 from lit_moe.ops.activation import SUPPORTED_ACTIVATIONS, SUPPORTED_GELU_APPROXIMATE
-from lit_moe.model.families import ARCHITECTURES
+from lit_moe.model.families import (ARCHITECTURES, V4_DEFAULT_COMPRESS_RATES, V4_LAYER_TYPES,
+                                    v4_default_layer_types)
 from lit_moe.ops.norm import SUPPORTED_NORMS
 
 POSITION_EMBEDDING_TYPES = ("rope", "yarn", "none", "learned_absolute")
-SCORING_FUNCS = ("sigmoid", "softmax")
+SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
+ATTENTION_VARIANTS = (None, "mla", "dsa", "dsv4_hybrid")
 LOAD_BALANCING_TYPES = ("seq_aux_loss", "aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -125,10 +127,15 @@ def normalise(cfg: Any) -> None:
         set_("n_group", 1)
     if cfg.n_routed_experts and not cfg.topk_group:
         set_("topk_group", cfg.n_group)
-    if cfg.sparse_attention:   # DeepSeek-V3.2's sizes where the section leaves them out
-        for name, value in (("index_topk", 2048), ("index_n_heads", 64), ("index_head_dim", 128)):
+    if cfg.sparse_attention or cfg.experimental_attention_variant == "dsv4_hybrid":   # the indexer's sizes
+        topk = 2048 if cfg.sparse_attention else 512   # DeepSeek-V3.2's keys / V4's compressed entries
+        for name, value in (("index_topk", topk), ("index_n_heads", 64), ("index_head_dim", 128)):
             if getattr(cfg, name) is None:
                 set_(name, value)
+    if cfg.compress_rates is None:
+        set_("compress_rates", dict(V4_DEFAULT_COMPRESS_RATES))
+    if cfg.experimental_attention_variant == "dsv4_hybrid" and cfg.layer_types is None:
+        set_("layer_types", v4_default_layer_types(cfg.num_hidden_layers))
     if cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):  # Hugging Face's names
         set_("hidden_act", "gelu")
         set_("gelu_approximate", "tanh")
@@ -153,7 +160,15 @@ def validate(cfg: Any) -> None:
         fail("qk_rope_head_dim", "must be a non-negative even number (rotary pairs)")
     if cfg.q_lora_rank is not None and cfg.q_lora_rank < 0:
         fail("q_lora_rank", "must be None, 0 or positive")
-    if cfg.multi_latent_attention:
+    if cfg.experimental_attention_variant not in ATTENTION_VARIANTS:
+        fail("experimental_attention_variant", "is not supported; supported: 'mla', 'dsa' (DeepSeek-V3.2), "
+             "'dsv4_hybrid' (DeepSeek-V4)")
+    if cfg.experimental_attention_variant == "mla" and not cfg.multi_latent_attention:
+        fail("experimental_attention_variant", "needs multi_latent_attention: True")
+    validate_v4(cfg, fail)
+    if cfg.experimental_attention_variant == "dsv4_hybrid":
+        pass   # its own fields, checked by validate_v4
+    elif cfg.multi_latent_attention:
         if cfg.v_head_dim > cfg.qk_head_dim:
             fail("v_head_dim", f"must not exceed qk_nope_head_dim + qk_rope_head_dim ({cfg.qk_head_dim})")
         if cfg.attention_bias:
@@ -276,9 +291,9 @@ def validate(cfg: Any) -> None:
             if cfg.num_experts_per_tok > cfg.topk_group * per_group:
                 fail("num_experts_per_tok", f"cannot be chosen from topk_group={cfg.topk_group} groups "
                      f"of {per_group} experts")
-        if cfg.moe_router_enable_expert_bias and cfg.scoring_func != "sigmoid":
-            fail("moe_router_enable_expert_bias", "needs scoring_func 'sigmoid' (aux-loss-free expert "
-                 "bias); set it to False for softmax routing")
+        if cfg.moe_router_enable_expert_bias and cfg.scoring_func == "softmax":
+            fail("moe_router_enable_expert_bias", "needs scoring_func 'sigmoid' or 'sqrtsoftplus' (aux-loss-free "
+                 "expert bias); set it to False for softmax routing")
     # MTP
     if cfg.num_nextn_predict_layers < 0:
         fail("num_nextn_predict_layers", "must be >= 0")
@@ -288,14 +303,12 @@ def validate(cfg: Any) -> None:
 
 def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> None:
     """The rules of DeepSeek-V3.2's sparse attention (``experimental_attention_variant: dsa``)."""
-    if cfg.experimental_attention_variant not in (None, "dsa"):
-        fail("experimental_attention_variant", "is not supported; supported: None, 'dsa' (DeepSeek-V3.2)")
     if not cfg.sparse_attention:
         if cfg.model_type == "deepseek_v32":
             fail("experimental_attention_variant", "must be 'dsa' for model_type 'deepseek_v32'")
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
-            if getattr(cfg, name) is not None:
-                fail(name, "needs experimental_attention_variant 'dsa' (the indexer of model_type deepseek_v32)")
+            if getattr(cfg, name) is not None and cfg.experimental_attention_variant != "dsv4_hybrid":
+                fail(name, "needs experimental_attention_variant 'dsa' (DeepSeek-V3.2) or 'dsv4_hybrid' (DeepSeek-V4)")
         return
     if not cfg.multi_latent_attention or not cfg.q_lora_rank:
         fail("experimental_attention_variant", "needs multi-latent attention with q_lora_rank (the indexer "
@@ -312,6 +325,51 @@ def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> Non
     if not cfg.dsa_indexer_use_sparse_loss:
         fail("dsa_indexer_use_sparse_loss", "(MindFormers' dense warm-up stage: dense attention, only the indexer "
              "trained) is not implemented yet; set it to true (the sparse stage: top-k attention)")
+def validate_v4(cfg: Any, fail: Callable[[str, str], None]) -> None:
+    """The rules of DeepSeek-V4's pieces: its attention, mHC, hash routing, the SwiGLU clamp."""
+    if cfg.enable_hyper_connections:
+        if cfg.hc_mult < 1:
+            fail("hc_mult", "must be >= 1")
+        if cfg.hc_sinkhorn_iters < 0:
+            fail("hc_sinkhorn_iters", "must be >= 0")
+    elif cfg.enable_hc_head:
+        fail("enable_hc_head", "needs enable_hyper_connections: True (as in MindFormers)")
+    if cfg.num_hash_layers < 0:
+        fail("num_hash_layers", "must be >= 0")
+    if cfg.num_hash_layers and not cfg.n_routed_experts:
+        fail("num_hash_layers", "needs routed experts (n_routed_experts)")
+    if cfg.swiglu_limit is not None and cfg.swiglu_limit <= 0:
+        fail("swiglu_limit", "must be None (no clamp) or > 0")
+    if cfg.experimental_attention_variant != "dsv4_hybrid":
+        return
+    types = cfg.layer_types
+    if not isinstance(types, list) or len(types) != cfg.num_hidden_layers:
+        fail("layer_types", f"must list one attention type per decoder layer ({cfg.num_hidden_layers})")
+    for t in types:
+        if t not in V4_LAYER_TYPES:
+            fail("layer_types", f"entry {t!r} is not one of " + ", ".join(map(repr, V4_LAYER_TYPES)))
+    rates = cfg.compress_rates
+    if not isinstance(rates, dict) or any(not isinstance(rates.get(k), int) or rates[k] < 1
+                                          for k in V4_LAYER_TYPES[1:]):
+        fail("compress_rates", "must give a positive int for compressed_sparse_attention and "
+             "heavily_compressed_attention")
+    if not cfg.q_lora_rank:
+        fail("q_lora_rank", "must be > 0 with experimental_attention_variant 'dsv4_hybrid' (low-rank queries)")
+    for name in ("sliding_window", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk"):
+        if getattr(cfg, name) < 1:
+            fail(name, "must be >= 1")
+    if cfg.num_attention_heads % cfg.o_groups:
+        fail("o_groups", f"must divide num_attention_heads ({cfg.num_attention_heads})")
+    rope = cfg.v4_rope_dim
+    if rope < 2 or rope % 2 or rope > cfg.gqa_head_dim or cfg.index_head_dim < rope:
+        fail("partial_rotary_factor", f"rotates {rope} dims of head_dim {cfg.gqa_head_dim}; it must be a positive "
+             f"even number, at most index_head_dim ({cfg.index_head_dim})")
+    if cfg.position_embedding_type != "rope":
+        fail("position_embedding_type", "is not supported with experimental_attention_variant 'dsv4_hybrid' "
+             "(plain RoPE only; YaRN on the compressed layers is not implemented)")
+    if cfg.use_eod_attn_mask_compression:
+        fail("use_eod_attn_mask_compression", "is not supported with experimental_attention_variant "
+             "'dsv4_hybrid' (compressed entries span document ends)")
 
 
 def validate_gqa(cfg: Any, fail: Callable[[str, str], None]) -> None:

@@ -1,5 +1,5 @@
 """The decoder block shared by the main stack and the MTP depths: x + Attn(norm(x)), then
-+ MLP-or-MoE(norm(x))."""
++ MLP-or-MoE(norm(x)). (The mHC variant on residual streams: ``lit_moe/model/hyper_connections.py``.)"""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ class DecoderLayer(nn.Module):
         self.self_attention = build_attention(config, layer_idx, dtype=dtype)
         self.pre_mlp_layernorm = block_norm(config, config.hidden_size, dtype)
         if config.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = MoE(config, dtype=dtype)
+            self.mlp: nn.Module = MoE(config, dtype=dtype, hash_routed=config.is_hash_layer(layer_idx))
         else:
             self.mlp = MLP(config, config.intermediate_size, dtype=dtype)
+        self.hash_routed = config.is_hash_layer(layer_idx)
         self.hidden_dropout = config.hidden_dropout
         self.torch_compile = config.torch_compile
         self.hooks = ModelHooks()   # the model's, shared by its blocks (what breaks a compiled graph)
@@ -53,14 +54,18 @@ class DecoderLayer(nn.Module):
         attention_half = compiled(DecoderLayer._attention_half) if attention_ok else DecoderLayer._attention_half
         mlp_half = compiled(DecoderLayer._mlp_half) if mlp_ok else DecoderLayer._mlp_half
         x, normed = attention_half(self, x, ctx)
-        return mlp_half(self, x, normed)
+        return mlp_half(self, x, normed, ctx)
 
     def _forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x, normed = self._attention_half(x, ctx)
-        return self._mlp_half(x, normed)
+        return self._mlp_half(x, normed, ctx)
 
-    def _mlp_half(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        return x + F.dropout(self.mlp(normed), self.hidden_dropout, self.training)
+    def _mlp_half(self, x: torch.Tensor, normed: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return x + F.dropout(self.feed_forward(normed, ctx), self.hidden_dropout, self.training)
+
+    def feed_forward(self, normed: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The MLP or MoE; a hash-routed MoE also reads the token ids."""
+        return self.mlp(normed, ctx.input_ids) if self.hash_routed else self.mlp(normed)
 
     def _attention_half(self, x: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x + Attn(norm(x)), and its pre-MLP norm."""

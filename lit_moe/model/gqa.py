@@ -17,6 +17,7 @@ from torch import nn
 from lit_moe.model.attention import AttentionContext, CoreAttention, MLAttention
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.rope import softmax_scale
+from lit_moe.model.v4_attention import V4Attention
 from lit_moe.ops import Linear, apply_rotary_half, build_norm
 
 
@@ -62,7 +63,10 @@ class GQAttention(nn.Module):
 
 
 def build_attention(config: DeepseekV3Config, layer_idx: int, dtype: torch.dtype | None = None) -> nn.Module:
-    """The attention of a decoder layer: MLA, or grouped-query attention (``multi_latent_attention: False``)."""
+    """The attention of a decoder layer: DeepSeek-V4's (``experimental_attention_variant: dsv4_hybrid``),
+    MLA, or grouped-query attention (``multi_latent_attention: False``)."""
+    if config.v4_attention:
+        return V4Attention(config, layer_idx, dtype=dtype)
     if config.multi_latent_attention:
         return MLAttention(config, layer_idx, dtype=dtype)
     return GQAttention(config, layer_idx, dtype=dtype)

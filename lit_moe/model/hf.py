@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from lit_moe.model import hf_families
+from lit_moe.model import hf_families, hf_v4
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.names import canonical_name, spelled
 from lit_moe.model.safetensors_io import (CONFIG_FILE, FP8_DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsError,
@@ -76,12 +76,17 @@ def export_problems(config: DeepseekV3Config) -> list[str]:
 def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face DeepSeek-V3 model (plus our full config under ``lit_moe``);
     the other families' in ``lit_moe.model.hf_families``."""
+    if config.model_type == "deepseek_v4":
+        problems = hf_v4.export_problems(config)
+        if problems:
+            raise HFCheckpointError("cannot write a Hugging Face deepseek_v4 checkpoint: " + "; ".join(problems))
+        return hf_v4.hf_config_dict(config, dtype)
     if config.model_type in hf_families.FAMILIES:
-        problems = hf_families.export_problems(config)
+        problems = hf_families.export_problems(config) + hf_v4.pieces_problems(config)
         if problems:
             raise HFCheckpointError(f"cannot write a Hugging Face {config.model_type} checkpoint: " + "; ".join(problems))
         return hf_families.hf_config_dict(config, dtype)
-    problems = export_problems(config)
+    problems = export_problems(config) + hf_v4.pieces_problems(config)
     if problems:
         raise HFCheckpointError("cannot write a Hugging Face DeepSeek-V3 checkpoint: " + "; ".join(problems))
     c = config
@@ -153,12 +158,14 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> DeepseekV3Config:
     if hf.get("rope_interleave") is False:
         raise HFCheckpointError("config.json: rope_interleave=False is not supported (DeepSeek weights rotate "
                                 "interleaved pairs)")
-    kinds = ("deepseek_v3", hf_families.SPARSE_MLA, *hf_families.FAMILIES)
+    kinds = ("deepseek_v3", hf_families.SPARSE_MLA, *hf_families.FAMILIES, "deepseek_v4")
     if hf.get("model_type") not in (None, *kinds):
         raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r}, expected one of "
                                 + ", ".join(map(repr, kinds)))
     if isinstance(hf.get("lit_moe"), dict):
         base = dict(hf["lit_moe"])
+    elif hf.get("model_type") == "deepseek_v4":
+        base = hf_v4.section_from_hf(hf)
     elif hf.get("model_type") in hf_families.FAMILIES:
         base = hf_families.section_from_hf(hf)
     elif hf.get("model_type") == hf_families.SPARSE_MLA:
@@ -192,9 +199,16 @@ def hf_keys(name: str, shape: torch.Size, num_hidden_layers: int,
     """Hugging Face keys (with views) that hold our tensor ``name`` (canonical name): its Hugging Face
     spelling (``lit_moe.model.names``, the one name map), the merged expert tensors split per expert.
     With ``config`` of a family whose routers have no expert bias (Qwen3-MoE), none for the bias."""
-    top_level = name in ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+    top_level = name in ("embed_tokens.weight", "norm.weight", "lm_head.weight") or name.startswith("hc_head.")
     if not (top_level or _LAYER.match(name) or _MTP.match(name)):
         raise HFCheckpointError(f"{name}: no Hugging Face DeepSeek-V3 equivalent")
+    if config is not None and config.model_type == "deepseek_v4":
+        return [(hf_v4.release_name(key), view) for key, view in _v3_keys(name, shape, num_hidden_layers, config)]
+    return _v3_keys(name, shape, num_hidden_layers, config)
+
+
+def _v3_keys(name: str, shape: torch.Size, num_hidden_layers: int,
+             config: Optional[DeepseekV3Config]) -> list[tuple[str, Slicer]]:
     if config is not None and name.endswith(".router.expert_bias") and not hf_families.exports_expert_bias(config):
         return []
     experts = _EXPERTS.match(name)
@@ -293,14 +307,15 @@ def export_entries(tensors: dict[str, tuple[torch.Size, torch.dtype]], config: D
                    dtype: Optional[torch.dtype]) -> list[ExportEntry]:
     """The tensors a Hugging Face export writes, in file order, from our canonical names to (shape,
     dtype). ``dtype`` converts the storage (None: as they are), except the router weight and expert
-    bias, which stay fp32 as transformers keeps them. DeepSeek's MTP layers carry copies of the shared
+    bias, which stay fp32 as transformers keeps them, and integer tables (V4's hash routing). DeepSeek's MTP layers carry copies of the shared
     embedding and head, as in the release."""
     L = config.num_hidden_layers
     entries = []
     for name, (shape, stored) in tensors.items():
         for hf_key, view in hf_keys(name, shape, L, config):
-            keep_fp32 = hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-            out_dtype = stored if (dtype is None or keep_fp32) else dtype
+            keep = (hf_key.endswith(("mlp.gate.weight", "e_score_correction_bias", "ffn.gate.weight", "ffn.gate.bias"))
+                    or not stored.is_floating_point)   # fp32 routers; integer hash tables
+            out_dtype = stored if (dtype is None or keep) else dtype
             numel = view(torch.empty(shape, device="meta")).numel()
             entries.append(ExportEntry(hf_key, name, view, out_dtype, numel * out_dtype.itemsize))
     for k in range(config.num_nextn_predict_layers):

@@ -28,7 +28,7 @@ from lit_moe.ops import GatedActivation, Linear, fused_linear
 
 def _activation(config: DeepseekV3Config) -> GatedActivation:
     return GatedActivation(config.hidden_act, config.gelu_approximate, config.silu_inplace,
-                           config.use_fused_swiglu)
+                           config.use_fused_swiglu, clamp=config.swiglu_limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,6 +60,8 @@ class Router(nn.Module):
     ``router_dense_type``; ``scores`` are the full (unbiased) score table the aux losses use.
     """
 
+    has_expert_bias = True    # the hash router's selection reads none
+
     def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
         super().__init__()
         E = config.n_routed_experts
@@ -76,16 +78,17 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
-        if self.scoring_func == "sigmoid":
-            scores = torch.sigmoid(logits)
-        else:
-            scores = torch.softmax(logits, dim=-1)
+        scores = router_scores(F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype)),
+                               self.scoring_func)
         indices = self.select(scores.detach())
+        return self.combine_weights(scores, indices), indices, scores
+
+    def combine_weights(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' unbiased scores, renormalised (``norm_topk_prob``), times the scaling factor."""
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, indices, scores
+        return weights * self.routed_scaling_factor
 
     @torch.no_grad()
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -107,6 +110,47 @@ class Router(nn.Module):
                 f"groups={self.n_group}/{self.topk_group}, dtype={self.router_dtype}")
 
 
+class HashRouter(Router):
+    """DeepSeek-V4's hash routing (``num_hash_layers``): the experts of token id t are the fixed row
+    ``tid2eid[t]`` (a buffer: round-robin ``(t + k) % E`` at init, as MindFormers; a checkpoint's table
+    is loaded); the learned gate's scores still weight them, as :class:`Router` does. No expert bias.
+
+    ``forward(x [T, H], input_ids [...] with T elements)``. ``expert_bias`` stays 0 and is not saved
+    (selection does not read it; the expert-bias update skips these routers)."""
+
+    has_expert_bias = False
+
+    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
+        super().__init__(config, dtype=dtype)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("tid2eid", torch.empty(config.vocab_size, self.top_k, dtype=torch.long),
+                             persistent=True)
+
+    @torch.no_grad()
+    def init_extra(self) -> None:
+        """The round-robin table (after ``init_weights`` zeroed the buffers)."""
+        ids = torch.arange(self.tid2eid.shape[0], device=self.tid2eid.device)
+        self.tid2eid.copy_(torch.stack([(ids + k) % self.num_experts for k in range(self.top_k)], dim=1))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = router_scores(F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype)),
+                               self.scoring_func)
+        indices = self.tid2eid[input_ids.reshape(-1)]
+        return self.combine_weights(scores, indices), indices, scores
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, score={self.scoring_func}, hash table"
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """sigmoid, softmax or sqrt(softplus) (DeepSeek-V4) of the router logits."""
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    return torch.softmax(logits, dim=-1)
+
+
 def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_func: str,
                         kind: str, coeff: float, reduce_stats: Optional[Callable] = None) -> torch.Tensor:
     """Switch-style balancing loss alpha * sum_e f_e P_e (Megatron's definition).
@@ -119,7 +163,7 @@ def load_balancing_loss(scores: torch.Tensor, top_k: int, batch: int, scoring_fu
     (context parallel) before the formula.
     """
     T, E = scores.shape
-    p = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if scoring_func == "sigmoid" else scores
+    p = scores if scoring_func == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     with torch.no_grad():
         chosen = torch.zeros_like(p).scatter_(1, p.topk(top_k, dim=-1).indices, 1.0)
     groups = batch if kind == "seq_aux_loss" else 1
@@ -404,7 +448,7 @@ class MoE(nn.Module):
     Counters are not touched during activation recompute or without grad.
     """
 
-    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None):
+    def __init__(self, config: DeepseekV3Config, dtype: torch.dtype | None = None, hash_routed: bool = False):
         super().__init__()
         c = config
         self.num_experts = c.n_routed_experts
@@ -415,7 +459,7 @@ class MoE(nn.Module):
         self.capacity_factor = c.moe_expert_capacity_factor
         self.drop_policy = c.moe_token_drop_policy
         self.pad_to_capacity = c.use_pad_tokens
-        self.router = Router(c, dtype=dtype)
+        self.router = HashRouter(c, dtype=dtype) if hash_routed else Router(c, dtype=dtype)
         self.experts = GroupedExperts(c, dtype=dtype)
         if c.n_shared_experts > 0:
             self.shared_experts = MLP(c, c.shared_expert_intermediate_size, dtype=dtype)
@@ -447,11 +491,12 @@ class MoE(nn.Module):
             return None
         return math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids`` (``[B, S]``): the token ids a hash-routed layer looks its experts up by."""
         B, S, H = x.shape
         T, K = B * S, self.top_k
         flat_x = x.reshape(T, H)
-        weights, indices, scores = self.router(flat_x)
+        weights, indices, scores = self.router(flat_x) if input_ids is None else self.router(flat_x, input_ids)
         routed = self._dispatch_combine(flat_x, weights, indices)
         out = routed.view(B, S, H)
         if self.shared_experts is not None:

@@ -13,7 +13,8 @@ from torch import nn
 
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.decoder import DecoderLayer, block_norm
+from lit_moe.model.decoder import block_norm
+from lit_moe.model.hyper_connections import build_collapse, build_decoder_layer, expand_streams
 from lit_moe.ops import Linear
 
 
@@ -28,10 +29,15 @@ class MTPLayer(nn.Module):
         self.enorm = norm()
         self.hnorm = norm()
         self.eh_proj = Linear(2 * H, H, dtype=dtype)
-        self.layer = DecoderLayer(config, layer_idx, dtype=dtype)
+        self.layer = build_decoder_layer(config, layer_idx, dtype=dtype)
+        # mHC: the layer runs on streams, expanded from h' and collapsed again (as MindFormers' MTP)
+        self.hc_mult = config.hc_mult if config.enable_hyper_connections else 0
+        self.hc_head = build_collapse(config) if self.hc_mult else None
         self.final_layernorm = norm()
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """``hidden``: h^{k-1} ``[B, S, H]``; ``embedded``: embeddings of the inputs shifted left by k."""
         h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.final_layernorm(self.layer(h, ctx))
+        if self.hc_head is None:
+            return self.final_layernorm(self.layer(h, ctx))
+        return self.final_layernorm(self.hc_head(self.layer(expand_streams(h, self.hc_mult), ctx)))

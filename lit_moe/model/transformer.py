@@ -22,8 +22,9 @@ from lit_moe.model import hf
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.decoder import DecoderLayer, block_norm
+from lit_moe.model.decoder import block_norm
 from lit_moe.model.hooks import ModelHooks
+from lit_moe.model.hyper_connections import build_collapse, build_decoder_layer, expand_streams
 from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
@@ -73,7 +74,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.position_embeddings = (nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=dtype)
                                         if c.position_embedding_type == "learned_absolute" else None)
-            self.layers = nn.ModuleList(DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers))
+            self.layers = nn.ModuleList(build_decoder_layer(c, i, dtype=dtype) for i in range(c.num_hidden_layers))
+            # mHC: the final streams collapse into one ahead of the norm
+            self.hc_head = build_collapse(c) if c.enable_hyper_connections else None
             self.norm = block_norm(c, c.hidden_size, dtype)
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype)
             self.mtp = nn.ModuleList(MTPLayer(c, c.num_hidden_layers + k, dtype=dtype)
@@ -117,6 +120,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 _normal_by_name(p, std, _param_seed(seed, name))
             for _, b in mod.named_buffers(recurse=False):
                 b.zero_()
+        for mod in self.modules():   # starts that are not N(0, std): mHC gates, hash tables, sinks
+            if hasattr(mod, "init_extra"):
+                mod.init_extra()
 
     # ------------------------------------------------------------------ expert bias
     @torch.no_grad()
@@ -136,7 +142,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                              f"{len(layers)} MoE layers")
         rate = self.config.moe_router_bias_update_rate
         for moe, c in zip(layers, counts):
-            if self.config.moe_router_enable_expert_bias and rate > 0:
+            if self.config.moe_router_enable_expert_bias and rate > 0 and moe.router.has_expert_bias:
                 bias = moe.router.expert_bias
                 c = c.to(device=bias.device, dtype=torch.float32)
                 bias += rate * torch.sign(c.mean() - c)
@@ -156,8 +162,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
             input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
         h = self.embed(input_ids, position_ids)
+        if self.hc_head is not None:
+            h = expand_streams(h, self.config.hc_mult)
         for layer in self.layers:
             h = layer(h, ctx)
+        if self.hc_head is not None:
+            h = self.hc_head(h)
         mask = None
         if labels is not None:
             mask = labels != -100
@@ -199,7 +209,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)
         position_ids = position_ids.to(device=input_ids.device, dtype=torch.long).expand(B, S)
-        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len)
+        ctx = AttentionContext.build(self.config, position_ids, attention_mask, actual_seq_len, input_ids)
         if cp_masks is not None:
             ctx.full_mask = ctx.window_mask = cp_masks
         return input_ids, labels, loss_mask, position_ids, ctx

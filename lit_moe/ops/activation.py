@@ -32,8 +32,10 @@ class GatedActivation(nn.Module):
     """``act(gate) * up``; ``forward_packed`` takes ``[gate | up]`` concatenated on the last dim."""
 
     def __init__(self, hidden_act: str = "silu", approximate: str = "none", inplace: bool = False,
-                 use_fused_swiglu: bool | None = None):
+                 use_fused_swiglu: bool | None = None, clamp: float | None = None):
         super().__init__()
+        # DeepSeek-V4's SwiGLU limit: gate <= clamp and |up| <= clamp ahead of the activation
+        self.clamp = clamp
         check_activation(hidden_act, approximate, use_fused_swiglu)
         self.hidden_act = hidden_act
         self.approximate = approximate
@@ -48,6 +50,8 @@ class GatedActivation(nn.Module):
         return F.silu(gate, inplace=allow_inplace and self.inplace and self.hidden_act == "silu")
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.clamp is not None:
+            return self._act(gate.clamp(max=self.clamp), allow_inplace=False) * up.clamp(-self.clamp, self.clamp)
         if self.fused_swiglu:
             npu = npu_ops(gate)
             if npu is not None:
@@ -55,6 +59,8 @@ class GatedActivation(nn.Module):
         return self._act(gate) * up
 
     def forward_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.clamp is not None:
+            return self.forward(*gate_up.chunk(2, dim=-1))
         if self.fused_swiglu:
             npu = npu_ops(gate_up)
             if npu is not None:
@@ -63,4 +69,4 @@ class GatedActivation(nn.Module):
         return self._act(gate, allow_inplace=False) * up   # views of one buffer: never in place
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_act}, fused_swiglu={self.fused_swiglu}"
+        return f"{self.hidden_act}, fused_swiglu={self.fused_swiglu}" + (f", clamp={self.clamp}" if self.clamp else "")

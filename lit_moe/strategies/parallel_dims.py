@@ -176,6 +176,12 @@ class ParallelDims:
                 f"parallelism.context_parallel: {C} with model.experimental_attention_variant 'dsa' is not supported "
                 "yet (the indexer scores each query against every key of the sequence; its keys are not gathered "
                 "over the context-parallel ranks)")
+        piece = _v4_piece(model_config)
+        for key, degree in (("tensor_parallel", T), ("context_parallel", C), ("pipeline_parallel", self.pp)):
+            if piece and degree > 1:
+                raise ParallelismError(
+                    f"parallelism.{key}: {degree} with model.{piece} is not supported (DeepSeek-V4's pieces "
+                    "run with data, FSDP and expert parallelism only)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
@@ -504,3 +510,14 @@ def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float]
     dense_group = dims.dp_replicate * dims.fsdp
     expert_group = dims.dp_replicate * dims.efsdp
     return float(dense_group * dense_group), float(dims.dp_cp * expert_group)
+
+
+def _v4_piece(model_config: Any) -> Optional[str]:
+    """The first DeepSeek-V4 piece ``model_config`` uses (mHC, its attention, hash routing), as ``key: value``."""
+    for key, on in (("enable_hyper_connections", getattr(model_config, "enable_hyper_connections", False)),
+                    ("experimental_attention_variant",
+                     getattr(model_config, "experimental_attention_variant", None) == "dsv4_hybrid"),
+                    ("num_hash_layers", getattr(model_config, "num_hash_layers", 0))):
+        if on:
+            return f"{key} {getattr(model_config, key)!r}"
+    return None
