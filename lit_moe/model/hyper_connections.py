@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.attention import AttentionContext
-from lit_moe.model.compile import breaks_graphs, compile_enabled, compiled
+from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import DecoderLayer
 
@@ -149,7 +149,7 @@ class HyperConnectionDecoderLayer(DecoderLayer):
 
     def forward(self, streams: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # compiled whole or not at all (the halves' split of DecoderLayer passes one tensor between them)
-        if compile_enabled(self.torch_compile, streams.device) and not breaks_graphs(self.self_attention, self.mlp):
+        if compile_enabled(self.torch_compile, streams.device) and not any(map(self.hooks.breaks_graphs, (self.self_attention, self.mlp))):
             return compiled(HyperConnectionDecoderLayer._forward)(self, streams, ctx)
         return self._forward(streams, ctx)
 
