@@ -307,9 +307,13 @@ def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> Non
         if cfg.model_type == "deepseek_v32":
             fail("experimental_attention_variant", "must be 'dsa' for model_type 'deepseek_v32'")
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
-            if getattr(cfg, name) is not None and cfg.experimental_attention_variant != "dsv4_hybrid":
+            # (a deepseek_v4 section may keep V4's indexer sizes while it runs MLA, as MindFormers' does)
+            if getattr(cfg, name) is not None and cfg.model_type != "deepseek_v4":
                 fail(name, "needs experimental_attention_variant 'dsa' (DeepSeek-V3.2) or 'dsv4_hybrid' (DeepSeek-V4)")
         return
+    if cfg.model_type == "deepseek_v4":
+        fail("experimental_attention_variant", "is DeepSeek-V3.2's sparse attention (model_type deepseek_v32 or "
+             "deepseek_v3); DeepSeek-V4 uses 'dsv4_hybrid' or 'mla'")
     if not cfg.multi_latent_attention or not cfg.q_lora_rank:
         fail("experimental_attention_variant", "needs multi-latent attention with q_lora_rank (the indexer "
              "reads the normed query latent)")

@@ -66,7 +66,7 @@ def release_name(v3_spelling: str) -> str:
 def pieces_problems(c: Any) -> list[str]:
     """DeepSeek-V4 pieces that another family's Hugging Face config cannot hold."""
     p = []
-    for field, off in (("experimental_attention_variant", c.experimental_attention_variant in (None, "mla")),
+    for field, off in (("experimental_attention_variant", c.experimental_attention_variant != "dsv4_hybrid"),
                        ("enable_hyper_connections", not c.enable_hyper_connections),
                        ("num_hash_layers", not c.num_hash_layers), ("swiglu_limit", c.swiglu_limit is None)):
         if not off:
