@@ -105,7 +105,7 @@ class RecordSteps(L.Callback):
 
 
 def test_cli_skip_limit_stops_with_one_line_and_no_checkpoint_of_the_bad_step(tmp_path):
-    from helpers import cli_in_ranks, tiny_config, write_config
+    from helpers import run_cli, tiny_config, write_config
 
     (tmp_path / "run_callbacks.py").write_text(USER_CALLBACK)
     record = tmp_path / "steps.txt"
@@ -116,7 +116,7 @@ def test_cli_skip_limit_stops_with_one_line_and_no_checkpoint_of_the_bad_step(tm
                       model={"vocab_size": 4096})
     cfg["callbacks"] = [{"class_path": "run_callbacks.RecordSteps", "init_args": {"path": str(record)}}]
     path = write_config(tmp_path / "", cfg)
-    proc = cli_in_ranks(["fit", "--config", str(path)], 1, tmp_path, timeout=300)
+    proc = run_cli(["fit", "--config", str(path)], cwd=tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = [l for l in proc.stderr.splitlines() if l.startswith("lit_moe: error:")]
     assert len(err) == 1 and "step 2: 2 consecutive steps skipped" in err[0], proc.stderr[-3000:]

@@ -113,10 +113,9 @@ def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict
 
 def _fit(tmp_path: Path, config: Path, *extra: str) -> None:
     h = _helpers()
-    # ``--trainer.devices 2``: two ranks with torchrun's environment (forked), not Lightning's launcher
-    world = int(extra[extra.index("--trainer.devices") + 1]) if "--trainer.devices" in extra else 1
-    proc = h.cli_in_ranks(["fit", "--config", str(config), "--trainer.enable_progress_bar", "false",
-                           "--trainer.enable_model_summary", "false", *extra], world, tmp_path, timeout=400)
+    env = {"PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
+    proc = h.run_cli(["fit", "--config", str(config), "--trainer.enable_progress_bar", "false",
+                      "--trainer.enable_model_summary", "false", *extra], cwd=tmp_path, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
 

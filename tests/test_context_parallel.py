@@ -3,8 +3,8 @@ packed documents (compressed EOD ``actual_seq_len`` and dense ``attention_mask``
 per document), sliding-window layers, tensor and expert parallelism, trained 4 steps each, match the
 same training in one plain process (loss, MTP loss, pre-clip grad norm, expert biases within 1e-4
 relative), and the evaluation pass (``lit_moe.evaluation.Evaluation``) after training gives the
-one-process ``val/loss`` within 1e-5. The layouts of one world size share one launch of
-real gloo processes (forked with torchrun's environment: ``helpers.run_ranks``). The same runs count each rank's attention work (zig-zag balance)
+one-process ``val/loss`` within 1e-5. The layouts of one world size share one
+``torch.distributed.run`` launch. The same runs count each rank's attention work (zig-zag balance)
 and the tokens the MoE layers route per rank.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, launch, model_section  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 DOC_ENDS = [11, 20, 32]          # documents cross the zig-zag chunk boundaries (chunks of 8 or 4)
 
@@ -197,7 +198,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_layouts")
     for world in (2, 4):
         names = [n for n, spec in LAYOUTS.items() if spec["world"] == world]
-        launch(world, names, out, timeout=900, worker=worker_main)
+        launch(world, names, out, timeout=900, script=Path(__file__).resolve())
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
@@ -350,15 +351,16 @@ def test_cli_rejects_a_bad_method_in_one_line(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_strategy):
-    """``lit_moe fit`` under torchrun's environment (2 processes, ulysses cp2, MTP on) trains and
-    evaluates (the real DataModule's validation split, after every step) as the same run in one process
-    (in this process: the reference needs no isolation)."""
-    from helpers import cli_in_ranks, tiny_config, write_config
+    """``lit_moe fit`` under torchrun (2 processes, ulysses cp2, MTP on) trains and evaluates (the real
+    DataModule's validation split, after every step) as the same run in one process (in this
+    process: the reference needs no isolation)."""
+    import subprocess
+
+    from helpers import ROOT, child_env, tiny_config, write_config
     from lit_moe.cli import main
 
     records = {}
-    # the forked ranks first: this process's own run leaves its process group for the fixture to end
-    for world, parallelism in ((2, {"context_parallel": 2, "context_parallel_method": "ulysses"}), (1, {})):
+    for world, parallelism in ((1, {}), (2, {"context_parallel": 2, "context_parallel_method": "ulysses"})):
         run_dir = tmp_path / f"w{world}"
         run_dir.mkdir()
         cfg = tiny_config(run_dir, steps=2, parallelism=parallelism)
@@ -374,8 +376,11 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_stra
         if world == 1:
             assert main(argv) == 0
         else:
-            proc = cli_in_ranks(argv, world, run_dir, timeout=500)
-            assert proc.returncode == 0, proc.stderr[-4000:]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                   "-m", "lit_moe.cli", *argv]
+            proc = subprocess.run(cmd, cwd=run_dir, env=child_env(ROOT / "tests"), capture_output=True, text=True,
+                                  timeout=scaled(500))
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
         records[world] = (steps, json.loads((run_dir / "steps.jsonl.val.json").read_text()))
     (one, one_val), (cp2, cp2_val) = records[1], records[2]
@@ -390,3 +395,7 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_stra
         assert abs(cp2_val[step] - want) <= 5e-7 * abs(want), (step, cp2_val, one_val)
     assert one[0]["loss"] != one[1]["loss"] and one_val["1"] != one_val["2"]   # it trained between evaluations
 
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])

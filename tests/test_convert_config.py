@@ -408,7 +408,7 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
 
 @pytest.mark.timeout(600)
 def test_converted_file_plans_and_trains_two_steps(tmp_path, capsys):
-    from helpers import cli_in_ranks
+    from helpers import run_cli
 
     out = tmp_path / "pynative.yaml"
     assert main([str(GRAPH), "-o", str(out), "--world-size", "1"]) == 0
@@ -434,8 +434,8 @@ def test_converted_file_plans_and_trains_two_steps(tmp_path, capsys):
 
     # graph mode's --gradient_accumulation_steps is accepted on fit and becomes the global batch
     # (2 × data_parallel 1 × local batch 2 = 4, what the conversion wrote)
-    result = cli_in_ranks(["fit", "--config", str(run_cfg), "--gradient_accumulation_steps", "2"], 1, tmp_path,
-                          timeout=540)
+    result = run_cli(["fit", "--config", str(run_cfg), "--gradient_accumulation_steps", "2"], cwd=tmp_path,
+                     timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "step 2/2" in log, log[-3000:]

@@ -179,7 +179,7 @@ def test_refused_by_name_in_one_line(tmp_path, capsys, name, changes, message):
 def test_qwen3_moe_pretrain_config_converts_plans_and_trains(tmp_path, capsys):
     """MindFormers' configs/qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml, shrunk: the Qwen3-MoE family with its
     router keys (num_experts, routed_scaling_factor 1.5, moe_router_pre_softmax, gbs_aux_loss)."""
-    from helpers import cli_in_ranks
+    from helpers import run_cli
 
     source = tmp_path / "qwen3_moe_pretrain.yaml"   # converted beside a copy: the output stays out of the repository
     source.write_text((FAMILIES / "qwen3_moe_pretrain.yaml").read_text())
@@ -211,6 +211,6 @@ def test_qwen3_moe_pretrain_config_converts_plans_and_trains(tmp_path, capsys):
     pyn["model"].update(compute_dtype="float32", seq_length=32)   # the shrunk data's (the YAML relies on 4096)
     run_cfg = tmp_path / "run.yaml"
     run_cfg.write_text(yaml.safe_dump(pyn, sort_keys=False))
-    result = cli_in_ranks(["fit", "--config", str(run_cfg)], 1, tmp_path, timeout=540)
+    result = run_cli(["fit", "--config", str(run_cfg)], cwd=tmp_path, timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 1/1" in result.stdout + result.stderr

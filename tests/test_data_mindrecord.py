@@ -244,7 +244,7 @@ def test_fit_trains_on_mindrecord_files(tmp_path):
     """``lit_moe fit`` with ``type: MindDataset``: the shipped tiny config on MindRecord files."""
     import yaml
 
-    from helpers import ROOT, cli_in_ranks
+    from helpers import ROOT, run_cli
 
     S = 64
     rng = np.random.RandomState(0)
@@ -264,6 +264,6 @@ def test_fit_trains_on_mindrecord_files(tmp_path):
     cfg["training"]["steps"] = 2
     cfg["checkpoint"] = {"enable_save": False}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    result = cli_in_ranks(["fit", "--config", str(tmp_path / "run.yaml")], 1, tmp_path, timeout=540)
+    result = run_cli(["fit", "--config", str(tmp_path / "run.yaml")], cwd=tmp_path, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step 2/2" in result.stdout + result.stderr

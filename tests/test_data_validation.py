@@ -117,8 +117,9 @@ def test_bad_token_through_the_cli_is_one_line(tmp_path):
     dl["config"].update(data_path=["1", prefix], eod=1)
     dl["shuffle"] = False
     cfg["train_dataset"]["num_parallel_workers"] = 1
-    proc = helpers.cli_in_ranks(["fit", "--config", str(helpers.write_config(tmp_path, cfg)),
-                                 "--trainer.enable_progress_bar", "false"], 1, tmp_path, timeout=300)
+    proc = helpers.run_cli(["fit", "--config", str(helpers.write_config(tmp_path, cfg)),
+                            "--trainer.enable_progress_bar", "false"], cwd=tmp_path, timeout=300,
+                           env={"PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit_moe: error")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

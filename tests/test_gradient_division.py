@@ -3,7 +3,7 @@
 MindFormers reduces FSDP gradients with SUM when the key is True (its default) and scales the loss by
 ``1/(world/pp)``, so the update uses the mean gradient over data/context-parallel ranks; with False its
 FSDP averages on top, dividing each gradient once more by the size of its reduce group. Here two real
-gloo processes (forked with torchrun's environment: ``helpers.run_ranks``) compute one backward under
+gloo processes (``torch.distributed.run``, this file as ``--worker``) compute one backward under
 ``dp2`` (experts FSDP-sharded over 2 ranks) and ``ep2`` (experts split, one expert shard), with the key
 True and False; the reference is the same model in this pytest process on the whole batch, without
 any process group.
@@ -11,11 +11,14 @@ any process group.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, WORLD = 96, 16, 2
@@ -92,7 +95,11 @@ def worker_main(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def layout_grads(tmp_path_factory):
     out = tmp_path_factory.mktemp("division")
-    run_ranks(worker_main, WORLD, str(out), timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(Path(__file__).resolve()), "--worker", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300), cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-6000:]
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
@@ -111,3 +118,6 @@ def test_gradient_division(layout_grads, layout):
         torch.testing.assert_close(averaged[name], g / group, rtol=1e-4, atol=1e-6, msg=name)
     assert any(".experts." in n for n in ref)
 
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    worker_main(sys.argv[sys.argv.index("--worker") + 1])

@@ -4,8 +4,8 @@ under each parallel layout matches the same training run in one process without 
 measured from the same runs' local shards.
 
 The reference is the plain model in this pytest process (no process group, no FSDP, no DTensor);
-the layouts run in real gloo processes forked from this one with torchrun's environment
-(``helpers.run_ranks``) with a timeout. Layouts of one world size share one launch (each builds its own meshes) to keep the wall
+the layouts run as real ``torch.distributed.run`` subprocesses of this file (``--worker``) with a
+timeout. Layouts of one world size share one launch (each builds its own meshes) to keep the wall
 time small. The world-2 launch also checks the differentiable collectives and the
 vocabulary-parallel cross entropy against plain single-tensor math, and the world-4 launch a
 bf16-compute run (fp32 master weights, gradients and optimizer state).
@@ -14,11 +14,14 @@ bf16-compute run (fp32 master weights, gradients and optimizer state).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks  # noqa: E402
+from helpers import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -341,9 +344,14 @@ def worker_main(names: list[str], out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # tests
 # ----------------------------------------------------------------------------------------------
-def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, worker=None) -> None:
-    """``worker(names, out_dir)`` (this file's ``worker_main`` unless given) on ``world`` ranks."""
-    run_ranks(worker or worker_main, world, names, str(out_dir), timeout=timeout)
+def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, script: Path = Path(__file__)) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(script.resolve()), "--worker", str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 EXTRA = {2: ["comm"], 4: ["bf16"]}
@@ -431,3 +439,7 @@ def test_sharded_memory(name, layout_results):
     assert mem["optimizer"] == 2 * mem["local"], mem
     assert mem["local"] < mem["total"]
 
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])

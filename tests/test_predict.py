@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers  # the judge
 
-from helpers import randomize_norms_and_biases, rank_logs, run_ranks, tiny_config, write_config
+from helpers import ROOT, child_env, randomize_norms_and_biases, scaled, tiny_config, write_config
 from lit_moe.cli import main as cli_main
 from lit_moe.generate import LatentCache, forward_step, generate, left_pad, top_p_filter
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -179,10 +179,11 @@ SAMPLING = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "3"]
 
 @pytest.mark.timeout(900)
 def test_predict_under_tp_and_ep_equals_one_process(exported):
-    """One launch of 2 ranks (torchrun's environment, forked: ``helpers.run_ranks``) generates under tp2,
-    ep2 and tp2·ep2 (each rank loading its pieces of the Hugging Face directory, and under tp2·ep2 also of
-    our own checkpoint): rank 0 alone prints, greedy tokens are transformers' (as in one process), and
-    seeded sampling draws one process's tokens."""
+    """One torchrun launch of 2 ranks generates under tp2, ep2 and tp2·ep2 (each rank loading its pieces
+    of the Hugging Face directory, and under tp2·ep2 also of our own checkpoint): rank 0 alone prints,
+    greedy tokens are transformers' (as in one process), and seeded sampling draws one process's tokens."""
+    import subprocess
+
     from test_checkpoint_hf import _save_iteration
 
     tmp, m = exported
@@ -191,14 +192,13 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     texts = ["It is a truth", "Mr. D", "Emma"]
     configs = [str(write_config(tmp, {"model": model_section(tmp), "parallelism": LAYOUTS[name]}, f"{name}.yaml"))
                for name in LAYOUTS]
-    output = tmp / "ranks"
-    output.mkdir(exist_ok=True)
-    run_ranks(_worker, 2, str(tmp / "hf"), str(tmp / "ckpt"), configs, timeout=600, output=output)
-    stdout = (output / "rank0.log").read_text()
-    rank1 = (output / "rank1.log").read_text().splitlines()
-    assert not [line for line in rank1 if line.startswith(("{", "RUN "))], rank_logs(output)   # rank 0 alone prints
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *configs]
+    proc = subprocess.run(cmd, cwd=tmp, env=child_env(ROOT / "tests"), capture_output=True, text=True,
+                          timeout=scaled(600))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     runs: dict[str, list[list[int]]] = {}
-    for line in stdout.splitlines():
+    for line in proc.stdout.splitlines():
         if line.startswith("RUN "):
             key = line.split()[1]
             runs[key] = []
@@ -209,7 +209,7 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     sampled = generate(m, byte_ids, 8, pad_id=256, eos_id=256, temperature=1.5, top_p=0.9, seed=3)
     assert sampled != greedy
     expected_runs = [f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")] + ["ckpt_tp2_ep2_greedy"]
-    assert sorted(runs) == sorted(expected_runs), stdout
+    assert sorted(runs) == sorted(expected_runs), proc.stdout
     assert runs["ckpt_tp2_ep2_greedy"] == greedy
     for name in LAYOUTS:
         assert runs[f"{name}_greedy"] == greedy, name      # three rows each: rank 1 printed nothing
@@ -217,7 +217,7 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
 
 
 def _worker(hf_dir: str, ckpt_dir: str, configs: list[str]) -> None:
-    """On each rank: ``lit_moe predict`` on each config, greedy then sampled, and the last config on our
+    """Under torchrun: ``lit_moe predict`` on each config, greedy then sampled, and the last config on our
     checkpoint, in one process group."""
     import os
 
@@ -261,3 +261,7 @@ def test_save_hf_at_end_is_checked_before_training(tmp_path, capsys, case):
     assert len(err) == 1 and "checkpoint.save_hf_" in err[0] and expected in err[0], err
     assert (out / "config.json").exists() == (case == "not_empty")
 
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -13,14 +13,19 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from helpers import cli_in_ranks, tiny_config, write_config
+from helpers import ROOT, run_cli, tiny_config, write_config
 from lit_moe.config import ConfigError, TrainingConfig
 from lit_moe.schedules import BatchRamp, batch_ramp
+
+TESTS = str(ROOT / "tests")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,7 +173,8 @@ def uninterrupted(tmp_path_factory):
     rec = run_dir / "rec.jsonl"
     cfg = _ramp_config(run_dir, rec)
     cfg["checkpoint"].update(enable_save=True, save_interleaved_steps=1, save_max=10)
-    proc = cli_in_ranks(["fit", "--config", str(write_config(run_dir, cfg))], 1, run_dir, timeout=600)
+    proc = run_cli(["fit", "--config", str(write_config(run_dir, cfg))], cwd=run_dir, timeout=600,
+                   env={"PYTHONPATH": TESTS})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, _rows(rec), proc.stdout + proc.stderr
 
@@ -198,7 +204,8 @@ def test_cli_resume_in_the_middle_of_the_ramp_is_bit_equal(uninterrupted, tmp_pa
     rec = tmp_path / "rec.jsonl"
     cfg = _ramp_config(tmp_path, rec)
     cfg["checkpoint"].update(load_path=str(run_dir / "ckpt" / f"iteration_{iteration:08d}"))
-    proc = cli_in_ranks(["fit", "--config", str(write_config(tmp_path, cfg))], 1, tmp_path, timeout=600)
+    proc = run_cli(["fit", "--config", str(write_config(tmp_path, cfg))], cwd=tmp_path, timeout=600,
+                   env={"PYTHONPATH": TESTS})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert line in proc.stdout + proc.stderr
     keys = ("step", "loss_hex", "consumed_samples", "micro_batches", "lr")
@@ -208,7 +215,7 @@ def test_cli_resume_in_the_middle_of_the_ramp_is_bit_equal(uninterrupted, tmp_pa
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
 def test_cli_ramp_under_dp2_and_pp2_matches_one_process(uninterrupted, tmp_path, layout):
-    """Two processes with torchrun's environment (forked: ``helpers.cli_in_ranks``): data parallel (local batch 1, so a micro-batch of both ranks is the
+    """Two processes under torchrun: data parallel (local batch 1, so a micro-batch of both ranks is the
     one process's micro-batch of 2) and a two-stage 1f1b pipeline (its micro-batch count changes with
     the batch); the same samples, micro-batches and losses per step as one process."""
     _, reference, _ = uninterrupted
@@ -218,9 +225,12 @@ def test_cli_ramp_under_dp2_and_pp2_matches_one_process(uninterrupted, tmp_path,
         cfg["training"]["local_batch_size"] = 1
     else:
         cfg["parallelism"].update(pipeline_parallel=2, pipeline_parallel_schedule="1f1b")
-    proc = cli_in_ranks(["fit", "--config", str(write_config(tmp_path, cfg)), "--trainer.accelerator", "cpu"], 2,
-                        tmp_path, timeout=800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lit_moe.cli",
+           "fit", "--config", str(write_config(tmp_path, cfg)), "--trainer.accelerator", "cpu"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = _rows(rec)
     assert [r["consumed_samples"] for r in rows] == SAMPLES
     assert [r["micro_batches"] for r in rows] == MICRO_BATCHES   # dp2: one sample per rank and micro-batch

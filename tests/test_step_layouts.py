@@ -5,9 +5,8 @@ Unlike ``test_parallel_numerics.py`` (the model and ``parallelize`` under a plai
 drives the module's own step: accumulation across ranks (``1/A``), ``set_gradient_sync`` with
 ``gradient_sync_every_microbatch: false``, the strategy's global norm and clipping, the module's loss,
 token-count and expert-count reductions, AdamW with its parameter groups and the LR schedule, expert
-biases, and a step skipped by a ``StepGuard`` under FSDP. One launch per world size (real gloo processes
-forked with torchrun's environment: ``helpers.run_ranks``) runs every layout of that size (each its own
-Trainer and meshes).
+biases, and a step skipped by a ``StepGuard`` under FSDP. One ``torch.distributed.run`` launch per world
+size runs every layout of that size (each its own Trainer and meshes).
 
 The single-process reference sees the global batch of each step as one micro-batch; every sample has
 the same number of loss tokens, so the mean over micro-batches and ranks is the mean over the batch.
@@ -18,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
-from helpers import run_ranks, selected_layouts  # noqa: E402
+from helpers import scaled, selected_layouts  # noqa: E402
 
 STEPS = 3
 GLOBAL = 8
@@ -294,7 +294,13 @@ def worker_main(names: list[str], out_dir: str) -> None:
 
 
 def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> None:
-    run_ranks(worker_main, world, names, str(out_dir), timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -398,3 +404,7 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         assert state["failed"] == 0 and state["graph_breaks"] == 0, state
         assert got[0]["compiled"]["graphs"] == state["graphs"] > 0     # compiled at step 1, no recompiles
 
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3:], sys.argv[2])
