@@ -109,8 +109,15 @@ def write_config(tmp: Path, layout: str) -> tuple[Path, int]:
     return path, ranks
 
 
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
 def measure(config: Path, ranks: int, tmp: Path, timeout: float = 900) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+    # a launch of its own: no launch variables of a caller (an in-process run leaves MASTER_PORT behind,
+    # and Lightning's launcher would reuse a port that is still taken)
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
+    env = {**inherited, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
            "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     (tmp / "peak.jsonl").unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(config),

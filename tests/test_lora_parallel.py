@@ -104,12 +104,17 @@ def runs(tmp_path_factory):
            str(Path(__file__).resolve()), "--layouts", str(config), *LAYOUTS]
     launch = subprocess.Popen(cmd, cwd=tmp, env=child_env(ROOT / "tests"), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
+    # the launch variables the in-process run sets (MASTER_PORT, ...): conftest restores them per test,
+    # but this fixture is module-scoped, so it restores them itself (a later launch would reuse the port)
+    saved = dict(os.environ)
     try:   # the one-process run meanwhile, in this process (it needs no isolation)
         capfd = _NoCapture()
         one = cli_in_process(fit_argv(config), capfd, cwd=tmp / "one")
         assert one.returncode == 0
         out, _ = launch.communicate(timeout=scaled(600))
     finally:
+        os.environ.clear()
+        os.environ.update(saved)
         if launch.poll() is None:
             launch.kill()
             launch.communicate()
