@@ -92,6 +92,7 @@ def _local(t):
 
 # document ends (cumulative, per sample) for the ``docs`` layouts: documents cross the cp chunk boundary
 DOC_ENDS = [11, 20, 32]
+LOSS_MASKED_OUT = 5
 
 
 def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1, sync_every_micro=True,
@@ -118,7 +119,11 @@ def train(model, dims=None, dp_rank: int = 0, dp: int = 1, accumulation: int = 1
                     m.set_requires_gradient_sync(last, recurse=False)
             lo = (dp_rank * accumulation + micro) * local
             tok = data[step, lo:lo + local]
-            extra = {"actual_seq_len": torch.tensor([DOC_ENDS] * tok.shape[0])} if docs else {}
+            extra = {}
+            if docs:   # and the first LOSS_MASKED_OUT positions out of the loss: the cp ranks count unequal
+                # numbers of loss tokens (the first zig-zag chunk is rank 0's), so the loss share matters
+                mask = (torch.arange(tok.shape[1] - 1) >= LOSS_MASKED_OUT).long().expand(tok.shape[0], -1)
+                extra = {"actual_seq_len": torch.tensor([DOC_ENDS] * tok.shape[0]), "loss_mask": mask}
             res = model(input_ids=tok[:, :-1], labels=tok[:, 1:], **extra)
             objective = (res.loss + res.aux_loss + res.mtp_loss) / accumulation
             objective.backward()
