@@ -161,6 +161,17 @@ def cli_in_process(args: list[str], capfd, cwd: Path | None = None) -> subproces
     return subprocess.CompletedProcess(["lit_moe", *args], code, out, err)
 
 
+def load_transformers_model(class_name: str, path):
+    """transformers' ``class_name`` from the directory ``path`` (eager attention, eval mode), with no
+    missing, unexpected or mismatched key: the independent reference of the family tests."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    model, info = cls.from_pretrained(path, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
 def randomize_norms_and_biases(model, seed: int = 7) -> None:
     """Every RMSNorm weight to ``1 + 0.2·N(0,1)`` and every router expert bias to ``0.3·N(0,1)``.
 

@@ -9,7 +9,7 @@ import torch
 
 import transformers  # the judge
 
-from helpers import randomize_norms_and_biases
+from helpers import load_transformers_model, randomize_norms_and_biases
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.model.hf import hf_config_dict
@@ -43,10 +43,7 @@ def ours_model(cfg=V32):
 
 
 def hf_load(path):
-    model, info = transformers.DeepseekV32ForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                                      output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return load_transformers_model("DeepseekV32ForCausalLM", path)
 
 
 def ids(seed=2):

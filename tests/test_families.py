@@ -9,7 +9,7 @@ import torch
 
 import transformers  # the judge
 
-from helpers import randomize_norms_and_biases
+from helpers import load_transformers_model, randomize_norms_and_biases
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.model.hf import HFCheckpointError, hf_config_dict
@@ -40,10 +40,7 @@ def ours_model(cfg):
 
 
 def hf_load(cfg, path):
-    cls = getattr(transformers, HF_CLASS[cfg["model_type"]])
-    model, info = cls.from_pretrained(path, attn_implementation="eager", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return load_transformers_model(HF_CLASS[cfg["model_type"]], path)
 
 
 def ids(seed=2):

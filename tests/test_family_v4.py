@@ -9,7 +9,7 @@ import torch
 
 import transformers  # the judge
 
-from helpers import randomize_norms_and_biases, tiny_config, write_config
+from helpers import load_transformers_model, randomize_norms_and_biases, tiny_config, write_config
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.model.hf import HFCheckpointError, hf_config_dict
@@ -52,10 +52,7 @@ def ours_model(cfg=V4, seed=0):
 
 
 def hf_load(path):
-    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                                      output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return load_transformers_model("DeepseekV4ForCausalLM", path)
 
 
 def ids(seed=2):
@@ -111,6 +108,8 @@ def test_family_defaults_and_rules():
     # transformers' DeepseekV4Config defaults
     assert (c.v4_attention, c.enable_hyper_connections, c.enable_hc_head, c.num_hash_layers) == (True, True, True, 3)
     assert (c.scoring_func, c.swiglu_limit, c.v4_rope_dim, c.first_k_dense_replace) == ("sqrtsoftplus", 10.0, 64, 0)
+    hf = transformers.DeepseekV4Config()   # the indexer sizes a deepseek_v4 section leaves out are V4's, not V3.2's
+    assert (c.index_topk, c.index_n_heads, c.index_head_dim) == (hf.index_topk, hf.index_n_heads, hf.index_head_dim)
     assert c.layer_types[:4] == ["heavily_compressed_attention"] * 2 + ["heavily_compressed_attention",
                                                                         "compressed_sparse_attention"]
     assert DeepseekV3Config(**{**V4, "layer_types": None, "compress_ratios": [0, 4, 128, 4]}).layer_types == \

@@ -181,41 +181,10 @@ SELECTIONS = [   # recompute.select_module patterns (MindFormers spellings inclu
 def _saved_by_one_layer(cfg, layer_idx: int, batch: int, select: str) -> tuple[int, int]:
     """(bytes of the distinct storages autograd saves in layer ``layer_idx``'s forward with
     ``select_module: {select: all layers}`` applied, rows the grouped experts saw)."""
-    import torch
+    from test_plan import _saved_bytes_of_one_layer
 
-    from lit_moe.model import DeepseekV3ForCausalLM
-    from lit_moe.model.attention import AttentionContext
-    from lit_moe.model.moe import bucketed_group_rows
-    from lit_moe.strategies.recompute import apply_recompute
-
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    model.init_weights(0)
-    apply_recompute(model, {"mode": "select", "select_module": {select: [f"0-{cfg.num_hidden_layers - 1}"]}}, None)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    S = cfg.seq_length
-    x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
-    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S))
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
-
-    layer = model.layers[layer_idx]
-    chosen = []
-    hook = (layer.mlp.router.register_forward_hook(lambda m, i, o: chosen.append(o[1]))
-            if hasattr(layer.mlp, "router") else None)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, ctx)
-    rows = None
-    if hook is not None:
-        hook.remove()
-        counts = torch.bincount(chosen[0].flatten(), minlength=cfg.n_routed_experts)
-        rows = int(bucketed_group_rows(counts, 16).sum())   # the CPU's padded expert groups
-    return sum(seen.values()), rows
+    section = {"mode": "select", "select_module": {select: [f"0-{cfg.num_hidden_layers - 1}"]}}
+    return _saved_bytes_of_one_layer(cfg, layer_idx, batch, section)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])

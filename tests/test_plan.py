@@ -253,8 +253,9 @@ def _tiny_pipeline_model(**over) -> dict:
     return section
 
 
-def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute: bool) -> tuple[int, int]:
-    """(bytes of the distinct storages autograd saves in one layer's forward, rows the grouped experts saw)."""
+def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute) -> tuple[int, int]:
+    """(bytes of the distinct storages autograd saves in one layer's forward, rows the grouped experts saw).
+    ``recompute``: False, True (full recompute of every layer) or a ``recompute`` section."""
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.model.attention import AttentionContext
     from lit_moe.model.moe import bucketed_group_rows
@@ -263,8 +264,10 @@ def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute: bool) 
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
     model.init_weights(0)
+    if recompute is True:
+        recompute = {"mode": "full", "full_recompute_layer": [f"0-{cfg.num_hidden_layers - 1}"]}
     if recompute:
-        apply_recompute(model, {"mode": "full", "full_recompute_layer": [f"0-{cfg.num_hidden_layers - 1}"]}, None)
+        apply_recompute(model, recompute, None)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     S = cfg.seq_length
     x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
