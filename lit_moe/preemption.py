@@ -90,6 +90,7 @@ class Preemption(Callback):
         self._received: Optional[int] = None
         self._agreed: Optional[int] = None
         self._previous: dict[int, Any] = {}
+        self._outside: dict[int, Any] = {}   # the handlers before this callback's first install, kept
         self._group: Any = None
         self._last_step: Optional[int] = None
         self._stepped = False      # an optimizer step of this run has finished: a signal waits for the next
@@ -98,6 +99,17 @@ class Preemption(Callback):
 
     # -- handlers ---------------------------------------------------------------------------
     def _handle(self, signum: int, frame: Any) -> None:
+        if self not in _ACTIVE:
+            # Left installed after the run: when a fit raises, Lightning's teardown puts back the handlers it
+            # found (ours) after on_exception restored the caller's. Act as the caller's handler would.
+            previous = self._outside.get(signum)
+            previous = signal.SIG_DFL if previous is None else previous
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signum)
+            return
         if self._received is not None and signum == getattr(signal, "SIGINT", None):
             raise KeyboardInterrupt  # a second Ctrl-C: abort now
         if not self._stepped:
@@ -118,6 +130,7 @@ class Preemption(Callback):
         for s in SIGNALS:
             previous = signal.signal(s, self._handle)
             self._previous.setdefault(s, previous)   # the handlers before the first install, restored at teardown
+            self._outside.setdefault(s, previous)
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():
@@ -173,6 +186,10 @@ class Preemption(Callback):
             print(f"lit_moe: stopped by {_name(sig)} after step {trainer.global_step}; {where}; exit status "
                   f"{128 + sig}", file=sys.stderr, flush=True)
         _maybe_requeue(trainer, sig)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Lightning calls no teardown hook when a run raises: give the caller's handlers back here.
+        self.teardown(trainer, pl_module, trainer.state.stage or "fit")
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()

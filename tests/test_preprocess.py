@@ -15,7 +15,7 @@ from lit_moe.data import IndexedDataset
 from lit_moe.data.catalog import builtin_tokenizer_path
 from lit_moe.data.preprocess import main
 from test_data_support import megatron
-from helpers import scaled  # noqa: E402
+from helpers import child_env, scaled  # noqa: E402
 
 TEXTS = ["Hello, world.", "", "Ünïcödé — ✓ text", "It is a truth universally acknowledged.\nSecond line."]
 
@@ -209,3 +209,30 @@ def test_progress_bar_reports_tokens_per_second(tmp_path):
     assert re.search(r"preprocess: 100%.*tokens/s", proc.stderr), proc.stderr
     # 50 documents of 9 bytes + EOD
     assert "50 documents, 500 tokens" in proc.stdout and "tokens/s" in proc.stdout
+
+
+HANGING_SIGTERM = """
+import json, signal, sys, time
+from lit_moe.data.preprocess import main
+signal.signal(signal.SIGTERM, lambda s, f: time.sleep(3600))  # a caller's handler that a fork would inherit
+d = sys.argv[1]
+with open(d + "/good.jsonl", "w") as f:
+    f.writelines(json.dumps({"text": "lorem ipsum " * (i % 37)}) + "\\n" for i in range(3000))
+with open(d + "/bad.jsonl", "w") as f:
+    f.writelines(json.dumps({"text": "ok " * (i % 37)}) + "\\n" for i in range(2000))
+    f.write("{not json\\n")
+    f.writelines(json.dumps({"text": "ok " * (i % 37)}) + "\\n" for i in range(2000))
+for name, want in (("good", 0), ("bad", 2)) * 3:
+    code = main(["--input", f"{d}/{name}.jsonl", "--output-prefix", f"{d}/{name}", "--tokenizer", "byte",
+                 "--workers", "2", "--quiet"])
+    assert code == want, (name, code)
+print("done")
+"""
+
+
+def test_workers_end_whatever_sigterm_handler_the_caller_has(tmp_path):
+    """The CI hang of stop 36: a pool worker forked from a process whose SIGTERM handler does not exit
+    (there: a leaked run's preemption handler) never ended in Pool.terminate. Workers reset it."""
+    proc = subprocess.run([sys.executable, "-c", HANGING_SIGTERM, str(tmp_path)], capture_output=True, text=True,
+                          timeout=scaled(90), env=child_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]

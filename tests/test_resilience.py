@@ -425,3 +425,41 @@ def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
                           timeout=helpers.scaled(360))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert tracker(tmp_path / "ckpt") == "2"
+
+
+def test_a_failed_fit_leaves_the_callers_sigterm_handler_in_charge(tmp_path):
+    """A fit that raises must not leave the run's preemption handler acting: Lightning's exception-path
+    teardown re-installs the handlers it found (ours) after our teardown restored the caller's. A
+    process that goes on (a test session, a notebook, a pool forked from it) then got "stopping now"
+    and a SystemExit on SIGTERM: the stop-36 CI hang."""
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lit_moe.preemption import Preemption
+
+    class Fails(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("planned failure")
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.zeros(4, 1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    got = []
+    before = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Preemption()],
+                          default_root_dir=tmp_path)
+        with pytest.raises(RuntimeError, match="planned failure"):
+            trainer.fit(Fails())
+        signal.raise_signal(signal.SIGTERM)  # must reach the caller's handler, not stop a finished run
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

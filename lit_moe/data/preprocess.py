@@ -22,6 +22,7 @@ import json
 import lzma
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from typing import Iterator, Optional
@@ -141,6 +142,10 @@ def _init_worker(tokenizer_spec: str, eod_token: Optional[str], add_special: boo
                  append_eod: bool, dtype: str, in_pool: bool = False) -> None:
     if in_pool:  # one thread per worker process: the processes are the parallelism
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # The parent owns Ctrl-C and stops the pool; SIGTERM (Pool.terminate) must end a worker at once,
+        # whatever handler a caller's process had installed.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER.update(tokenizer=load_tokenizer(tokenizer_spec, eod_token, add_special), json_key=json_key,
                    append_eod=append_eod, dtype=np.dtype(dtype))
 
@@ -253,6 +258,8 @@ def preprocess(args: argparse.Namespace) -> dict:
             _init_worker(*init)
             results = map(_tokenize_chunk, chunks)
         else:
+            # fork, so that a caller's script without a __main__ guard works; the initializer drops the
+            # signal handlers a fork inherits (a worker running a caller's SIGTERM handler hung Pool.terminate)
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=init + (True,))
             results = pool.imap(_tokenize_chunk, chunks, chunksize=1)
@@ -265,6 +272,10 @@ def preprocess(args: argparse.Namespace) -> dict:
             bar.update(size)
         bar.close()
         builder.finalize()
+        if pool is not None:  # every chunk is back: let the workers exit on their own
+            pool.close()
+            pool.join()
+            pool = None
     except BaseException:
         builder.abort()
         raise
