@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -233,6 +234,12 @@ print("done")
 def test_workers_end_whatever_sigterm_handler_the_caller_has(tmp_path):
     """The CI hang of stop 36: a pool worker forked from a process whose SIGTERM handler does not exit
     (there: a leaked run's preemption handler) never ended in Pool.terminate. Workers reset it."""
-    proc = subprocess.run([sys.executable, "-c", HANGING_SIGTERM, str(tmp_path)], capture_output=True, text=True,
-                          timeout=scaled(90), env=child_env())
-    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_SIGTERM, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=scaled(90))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hung workers too
+        out, err = proc.communicate()
+        pytest.fail(f"preprocess with 2 workers hung under the caller's SIGTERM handler: {err[-2000:]}")
+    assert proc.returncode == 0 and out.strip() == "done", err[-2000:]
