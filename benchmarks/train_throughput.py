@@ -27,7 +27,7 @@ What is timed
 Every side runs in its own process (so each one's memory is its own) and they take turns step by
 step: the coordinator sends "go" to one, waits for its step, then the next, reversing the order every
 round, so a change of load on a shared machine hits all alike. First the coordinator prints the
-device's bf16 and fp32 matmul rates (``lit_moe.device_speed``) and the compute dtype they decide;
+device's bf16 and fp32 matmul rates (``lit_moe.runtime.device_speed``) and the compute dtype they decide;
 after every round it times a GEMM (``n x n @ n x n``) in the compute dtype while the workers wait:
 the best of those is this machine's measured GEMM peak. Threads: ``--threads`` (default: all cores) in every worker (``torch.set_num_threads``
 and ``OMP_NUM_THREADS``) and in the coordinator.
@@ -883,7 +883,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.sizing import flops_per_token, param_counts
 
-    from lit_moe.device_speed import bf16_check, matmul_rate, resolve_compute_dtype
+    from lit_moe.runtime.device_speed import bf16_check, matmul_rate, resolve_compute_dtype
 
     # the device's matmul rates, and the compute dtype both sides use (auto: the fast one here)
     rates = {name: matmul_rate(device, getattr(torch, name), 0.5, max_n=512) for name in ("bfloat16", "float32")}

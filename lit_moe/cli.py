@@ -43,19 +43,19 @@ from lit_moe.config import (
 TOOLS = {
     "plan": "lit_moe.strategies.plan",
     "preprocess": "lit_moe.data.preprocess",
-    "convert-config": "lit_moe.convert_config",
+    "convert-config": "lit_moe.tools.convert_config",
     "convert-hf": "lit_moe.checkpoint.convert_hf",
-    "predict": "lit_moe.predict",
+    "predict": "lit_moe.tools.predict",
 }
 
 def world_size_from(trainer_cfg: dict, explicit: Optional[set] = None) -> int:
     """The number of processes the run will have, known before any of them starts (the launcher's
-    world, checked against ``--trainer.devices``/``--trainer.num_nodes``: :mod:`lit_moe.launch`)."""
+    world, checked against ``--trainer.devices``/``--trainer.num_nodes``: :mod:`lit_moe.runtime.launch`)."""
     return _launch_world(trainer_cfg, explicit).world_size
 
 
 def _launch_world(trainer_cfg: dict, explicit: Optional[set] = None):
-    from lit_moe.launch import launch_world
+    from lit_moe.runtime.launch import launch_world
 
     return launch_world(trainer_cfg, explicit, auto_devices=lambda: _auto_device_count(trainer_cfg))
 
@@ -108,7 +108,7 @@ class LitMoECLI(LightningCLI):
         parser.add_argument("--lora_config", type=Optional[dict[str, Any]], default=None,
                             help="MindFormers' LoRA section (lit_moe/lora.py); null: no adapters.")
         parser.add_argument("--eval_dataset", type=Optional[dict[str, Any]], default=None,
-                            help="Evaluation data shaped like train_dataset (lit_moe/evaluation.py).")
+                            help="Evaluation data shaped like train_dataset (lit_moe/callbacks/evaluation.py).")
         parser.add_argument("--use_remove_redundant_dataset", type=bool, default=False,
                             help="MindFormers top-level key; accepted, no effect.")
 
@@ -162,7 +162,7 @@ class Run:
         from lit_moe.callbacks.console import RunSummary, console_is_terminal, quiet_lightning
         from lit_moe.callbacks.loggers import combine_loggers
         from lit_moe.callbacks.progress import StepProgressBar
-        from lit_moe.device_speed import print_note
+        from lit_moe.runtime.device_speed import print_note
 
         quiet_lightning()
         user_callbacks = list(trainer_cfg.pop("callbacks", None) or [])
@@ -213,7 +213,7 @@ class Run:
             callbacks.append(StepProgressBar())
         merged["callbacks"] = callbacks
         trainer = Trainer(**merged)
-        from lit_moe.preemption import Preemption, use_preemption_agreement
+        from lit_moe.runtime.preemption import Preemption, use_preemption_agreement
 
         if any(isinstance(cb, Preemption) for cb in callbacks):
             use_preemption_agreement(trainer)
@@ -298,9 +298,9 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.module import LitMoE
     from lit_moe.name_keys import check_name_keys
-    from lit_moe.schedules import batch_ramp, build_lr_lambda
+    from lit_moe.optim.schedules import batch_ramp, build_lr_lambda
     from lit_moe.config import check_not_yet_sections, no_effect_notes
-    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
+    from lit_moe.runtime.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
     from lit_moe.strategies.plan import check_layout
 
@@ -346,7 +346,7 @@ def build_run(cfg: Any) -> Run:
     world_size = run.launch.world_size
     gas = cfg.get("gradient_accumulation_steps")
     if gas is not None:
-        from lit_moe.convert_config import global_batch_from_accumulation
+        from lit_moe.tools.convert_config import global_batch_from_accumulation
 
         data_parallel = ParallelDims.from_config(parallelism, world_size).dp
         training.global_batch_size = global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
@@ -378,7 +378,7 @@ def build_run(cfg: Any) -> Run:
                           lr_section=lr_section, optimizer_section=optimizer_section, total_steps=training.steps,
                           tensorboard_dir=monitor.tensorboard.output_dir, data_parallel=dims.dp)
     checkpoint, load = start.checkpoint, start.load
-    from lit_moe.elastic import fresh_rendezvous
+    from lit_moe.runtime.elastic import fresh_rendezvous
 
     fresh_rendezvous(parallelism.process_group_timeout_s)  # torchrun restarts: no stale rendezvous keys
 
@@ -425,7 +425,7 @@ def build_run(cfg: Any) -> Run:
 
     resolved = _resolved_config(cfg)
     builtin = list(build_callbacks(monitor, profiler, context, model_config, seq_length, resolved))
-    from lit_moe.evaluation import build_evaluation
+    from lit_moe.callbacks.evaluation import build_evaluation
 
     evaluation = build_evaluation(training, cfg.get("eval_dataset"), seq_length)
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
@@ -473,8 +473,8 @@ def _check_training(t: TrainingConfig) -> None:
 
 
 def _check_optimizer(section: dict, dims: Any = None, lora: Any = None) -> None:
-    from lit_moe.optim import validate_optimizer_section
-    from lit_moe.qk_clip import check_qk_clip_layout
+    from lit_moe.optim.optimizers import validate_optimizer_section
+    from lit_moe.optim.qk_clip import check_qk_clip_layout
 
     settings = validate_optimizer_section(section)
     if settings.type == "Muon" and settings.qk_clip_enabled and dims is not None:
@@ -518,7 +518,7 @@ def check_sections(cfg: Any) -> None:
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.name_keys import check_name_keys
-    from lit_moe.schedules import build_lr_lambda
+    from lit_moe.optim.schedules import build_lr_lambda
     from lit_moe.strategies.recompute import validate_recompute
 
     training = _as_dataclass(cfg.get("training"), TrainingConfig)
@@ -592,7 +592,7 @@ def main(args: Optional[list[str]] = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] in TOOLS:
-        from lit_moe.tool_errors import run_tool
+        from lit_moe.tools.errors import run_tool
 
         return run_tool(argv[0], TOOLS[argv[0]], argv[1:])
     if argv[0] != "fit":
@@ -610,9 +610,9 @@ def main(args: Optional[list[str]] = None) -> int:
 
     from lit_moe.callbacks import SkipLimitExceeded
     from lit_moe.checkpoint.auto_resume import RunFinished
-    from lit_moe.preemption import exit_status
+    from lit_moe.runtime.preemption import exit_status
     from lit_moe.config_file import load_run_config
-    from lit_moe.tool_errors import one_line
+    from lit_moe.tools.errors import one_line
 
     import warnings
 

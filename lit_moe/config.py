@@ -120,7 +120,7 @@ class TrainingConfig:
     eval_interval: int = 0
     """Optimizer steps between evaluations (0: never): a no-grad pass over the valid split of the train
     blend (``train_dataset.dataloader.sizes[1]``) or over the ``eval_dataset`` section, logged as
-    ``val/loss`` and ``val/ppl`` (see ``lit_moe/evaluation.py``)."""
+    ``val/loss`` and ``val/ppl`` (see ``lit_moe/callbacks/evaluation.py``)."""
     eval_iters: int = 10
     """Micro-batches (of ``local_batch_size``) per data-parallel rank in each evaluation; the same
     samples every time."""
@@ -619,7 +619,7 @@ def check_not_yet_sections(swap: "SwapConfig", recompute: RecomputeConfig, top: 
         if ops:
             raise not_yet("recompute.exclude_op", list(ops), "saving chosen ops' outputs inside recomputed "
                           "layers", "remove the key, or select modules with recompute.select_module")
-    for key in ("lora_config", "eval_dataset"):   # their keys: lit_moe.lora.lora_settings, lit_moe.evaluation
+    for key in ("lora_config", "eval_dataset"):   # their keys: lit_moe.lora.lora_settings, lit_moe.callbacks.evaluation
         value = top.get(key)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of keys or null, got {value!r}")

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 
 from lit_moe.config import TrainingConfig
-from lit_moe.distributed import is_distributed, local_tensor, world_size
+from lit_moe.runtime.distributed import is_distributed, local_tensor, world_size
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.optim import step_on_device
-from lit_moe.preemption import agree_on_signal, signal_flags
+from lit_moe.optim.optimizers import step_on_device
+from lit_moe.runtime.preemption import agree_on_signal, signal_flags
 from lit_moe.step import GradientObserver, MoEStepStats, StepGuard, StepMetrics, StepStrategy
 
 Batch = dict[str, torch.Tensor]
@@ -48,8 +48,8 @@ class LitMoE(LightningModule):
 
     Args:
         model_config: the ``model:`` section, validated.
-        optimizer: the ``optimizer:`` section (see :func:`lit_moe.optim.build_optimizer`).
-        lr_scheduler: the ``lr_scheduler:`` section (see :func:`lit_moe.schedules.build_lr_lambda`).
+        optimizer: the ``optimizer:`` section (see :func:`lit_moe.optim.optimizers.build_optimizer`).
+        lr_scheduler: the ``lr_scheduler:`` section (see :func:`lit_moe.optim.schedules.build_lr_lambda`).
         training: the ``training:`` section.
         accumulation_steps: micro-batches per optimizer step on each rank (``A``) until the first step
             arrives; from then on, the micro-batches of the current (or last) step.
@@ -138,8 +138,8 @@ class LitMoE(LightningModule):
     # optimizer
     # ------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        from lit_moe.optim import DeviceLambdaLR, build_optimizer
-        from lit_moe.schedules import build_lr_lambda
+        from lit_moe.optim.optimizers import DeviceLambdaLR, build_optimizer
+        from lit_moe.optim.schedules import build_lr_lambda
 
         peak_lr, lr_lambda = build_lr_lambda(self.lr_scheduler_section, self.training_config.steps)
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -258,7 +258,7 @@ class LitMoE(LightningModule):
     def _finish_optimizer_step(self) -> None:
         """Norm → observers → guards → clip → update → schedule → expert bias, without a host sync:
         the guards' verdict stays a device tensor and the update, the schedule position and the bias
-        update act on it there (see :func:`lit_moe.optim.step_on_device`)."""
+        update act on it there (see :func:`lit_moe.optim.optimizers.step_on_device`)."""
         trainer = self.trainer
         strategy = self.step_strategy
         optimizer = self.optimizers()

@@ -29,7 +29,7 @@ def check_name_keys(model_config: Any, optimizer_section: Optional[dict], lora_s
     from lit_moe.lora import apply_lora, lora_settings
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.model.names import canonical_name
-    from lit_moe.optim import check_rules, validate_optimizer_section
+    from lit_moe.optim.optimizers import check_rules, validate_optimizer_section
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(model_config)

@@ -57,7 +57,7 @@ class StepRecorder(Callback):
         self.path, self.val = path, {}
 
     def _collect_val(self, trainer) -> None:
-        from lit_moe.evaluation import Evaluation
+        from lit_moe.callbacks.evaluation import Evaluation
 
         for cb in trainer.callbacks:   # it may run before or after this callback in a step
             if isinstance(cb, Evaluation) and cb.last is not None:

@@ -501,7 +501,7 @@ def test_known_peaks(name, peak):
 
 
 def test_cpu_peak_is_measured_once(monkeypatch):
-    from lit_moe import device_speed
+    from lit_moe.runtime import device_speed
     from lit_moe.callbacks import measure_matmul_peak
 
     # fp32: this test's time does not depend on whether the CPU has native bf16

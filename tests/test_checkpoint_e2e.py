@@ -297,7 +297,7 @@ def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capsys):
     """One process: save_hf_at_end writes the final state; ``lit_moe predict`` on the run's save_path
     (an iteration directory) gives transformers' greedy tokens on that export."""
     from lit_moe.cli import main as cli_main
-    from lit_moe.generate import left_pad
+    from lit_moe.model.generate import left_pad
 
     import transformers
 

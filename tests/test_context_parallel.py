@@ -2,7 +2,7 @@
 packed documents (compressed EOD ``actual_seq_len`` and dense ``attention_mask``, positions reset
 per document), sliding-window layers, tensor and expert parallelism, trained 4 steps each, match the
 same training in one plain process (loss, MTP loss, pre-clip grad norm, expert biases within 1e-4
-relative), and the evaluation pass (``lit_moe.evaluation.Evaluation``) after training gives the
+relative), and the evaluation pass (``lit_moe.callbacks.evaluation.Evaluation``) after training gives the
 one-process ``val/loss`` within 1e-5. The layouts of one world size share one
 ``torch.distributed.run`` launch. The same runs count each rank's attention work (zig-zag balance)
 and the tokens the MoE layers route per rank.
@@ -97,7 +97,7 @@ def val_loss(model, docs) -> float:
     document columns, as one data-parallel rank reads them (every layout here has dp = 1)."""
     from types import SimpleNamespace
 
-    from lit_moe.evaluation import Evaluation
+    from lit_moe.callbacks.evaluation import Evaluation
 
     g = torch.Generator().manual_seed(99)
     rows = torch.randint(0, model.config.vocab_size, (EVAL_ITERS * EVAL_BATCH, SEQ + 1), generator=g)

@@ -14,10 +14,10 @@ import yaml
 
 from lit_moe.config import (CheckpointConfig, ConfigError, ContextConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
                             TrainDatasetConfig, TrainingConfig)
-from lit_moe.convert_config import (MP_COMM_PATTERN, SELECT_PATTERN, GraphOnlyKeysWarning, convert,
+from lit_moe.tools.convert_config import (MP_COMM_PATTERN, SELECT_PATTERN, GraphOnlyKeysWarning, convert,
                                     convert_graph_config, global_batch_from_accumulation, main,
                                     translate_gradient_accumulation, warmup_ratio_for)
-from lit_moe.schedules import resolve_schedule
+from lit_moe.optim.schedules import resolve_schedule
 
 GRAPH = Path(__file__).parent / "data" / "graph_deepseek3_tiny.yaml"
 

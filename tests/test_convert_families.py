@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_moe.convert_config import main
+from lit_moe.tools.convert_config import main
 from lit_moe.strategies.plan import main as plan_main
 
 DATA = Path(__file__).parent / "data"

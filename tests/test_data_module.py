@@ -149,7 +149,7 @@ def test_steps_are_consecutive_micro_batches_of_the_stream_across_epochs(prefix,
     epochs) cut it: a step that the epoch's end leaves short opens the next iteration and goes on with
     the next epoch's first micro-batches; each iteration's length is its number of steps; a resume from a
     step in the middle of the stream (a dp-2 rank) continues with the same steps."""
-    from lit_moe.schedules import BatchRamp
+    from lit_moe.optim.schedules import BatchRamp
 
     D, b = 2, 2
     cfg = train_config(prefix, shuffle=True)     # epochs differ: a step reading the wrong one shows

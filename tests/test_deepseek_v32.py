@@ -126,7 +126,7 @@ def test_refused_by_name(changes, message):
 
 
 def test_context_parallel_refused_and_predict_refused():
-    from lit_moe.predict import check_model
+    from lit_moe.tools.predict import check_model
     from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
 
     c = DeepseekV3Config(**V32)
@@ -176,7 +176,7 @@ def test_graph_config_with_the_dsa_keys_converts(tmp_path, capsys):
     MindFormers' TransformerConfig: they carry over and build the sparse attention; without
     dsa_indexer_use_sparse_loss (MindFormers' default False: the dense warm-up) one line names it."""
     from test_convert_families import family
-    from lit_moe.convert_config import main
+    from lit_moe.tools.convert_config import main
 
     keys = {"experimental_attention_variant": "dsa", "dsa_indexer_topk": 8, "dsa_indexer_n_heads": 2,
             "dsa_indexer_head_dim": 16, "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": True}

@@ -1,4 +1,4 @@
-"""The device-speed probes (lit_moe/device_speed.py): the MFU peak probe keeps to its time budget on a
+"""The device-speed probes (lit_moe/runtime/device_speed.py): the MFU peak probe keeps to its time budget on a
 device of any speed, and ``compute_dtype: auto`` / an explicit ``bfloat16`` follow the bf16 check's
 answer. The matmuls are faked with a clock that advances by n³ / rate (no wall-clock timing)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_moe import device_speed
+from lit_moe.runtime import device_speed
 
 
 class FakeDevice:

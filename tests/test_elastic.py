@@ -170,7 +170,7 @@ def test_failure_diagnosis_store_traffic_is_bounded(monkeypatch):
     """64 ranks, ranks 5 and 9 dead: the first survivor to fail reads the 63 counters twice and
     publishes the verdict, every other survivor makes 3 store operations (was 2 × 63 each), and all
     name the same dead ranks."""
-    from lit_moe import peers
+    from lit_moe.runtime import peers
 
     monkeypatch.setattr(peers, "STALE_S", 0.0)
     world, dead = 64, {5, 9}

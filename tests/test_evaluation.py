@@ -16,7 +16,7 @@ from lit_moe.callbacks import LoggerBridge, StepLogger, build_logger, combine_lo
 from lit_moe.config import ConfigError, MonitorConfig, TrainDatasetConfig
 from lit_moe.data import MegatronDataModule
 from lit_moe.data.indexed import write_indexed_dataset
-from lit_moe.evaluation import Evaluation
+from lit_moe.callbacks.evaluation import Evaluation
 from test_callbacks import read_tb, scalars
 from test_callbacks_module import SEQ, VOCAB, tiny_module
 from test_data_support import dataloader_section, make_documents
@@ -157,7 +157,7 @@ def test_eval_settings_and_missing_valid_split(prefix, tmp_path, one_process_str
 def test_eval_dataset_section_is_the_evaluation_data(prefix, tmp_path, one_process_strategy):
     """``eval_dataset`` (shaped like train_dataset): its first split is what is evaluated."""
     from lit_moe.data.loader import build_from_spec, parse_dataloader
-    from lit_moe.evaluation import build_evaluation
+    from lit_moe.callbacks.evaluation import build_evaluation
     from lit_moe.config import TrainingConfig
 
     section = {"dataloader": dataloader_section(SEQ, [prefix], sizes=(8, 0, 0), split="1,0,0",

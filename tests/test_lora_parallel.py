@@ -59,7 +59,7 @@ def run_layouts(config: Path, names: list[str]) -> None:
 
     launch = dict(os.environ)
     for name in names:
-        # each fit rendezvouses afresh, as a restart attempt of torchrun does (lit_moe.elastic): the
+        # each fit rendezvouses afresh, as a restart attempt of torchrun does (lit_moe.runtime.elastic): the
         # launch's variables back (the previous fit moved MASTER_PORT to its own store), a run id of its own
         os.environ.clear()
         os.environ.update(launch, TORCHELASTIC_RUN_ID=f"{launch.get('TORCHELASTIC_RUN_ID', '')}-{name}")

@@ -16,8 +16,8 @@ from torch import nn
 from helpers import randomize_norms_and_biases, tiny_config, write_config
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3ForCausalLM
-from lit_moe.optim import build_optimizer, newton_schulz, ns_schedule, validate_optimizer_section
-from lit_moe.qk_clip import QKClip, check_qk_clip_layout
+from lit_moe.optim.optimizers import build_optimizer, newton_schulz, ns_schedule, validate_optimizer_section
+from lit_moe.optim.qk_clip import QKClip, check_qk_clip_layout
 from lit_moe.strategies import ParallelDims
 
 V4_SCHEDULE = [[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]]   # DeepSeek-V4's, MindFormers' docstring
@@ -99,7 +99,7 @@ def test_muon_step_with_schedule_and_matched_rms():
     section = {"type": "Muon", "weight_decay": 0.1, "momentum": 0.9, "ns_coefficients": V4_SCHEDULE,
                "matched_adamw_rms": 0.3, "adamw_include": ["*nothing*"]}
     with pytest.raises(ConfigError, match="adamw_include"):   # the rule must match (check_rules)
-        from lit_moe.optim import check_rules
+        from lit_moe.optim.optimizers import check_rules
         check_rules(validate_optimizer_section(section), [n for n, _ in model.named_parameters()])
     opt = build_optimizer(model.named_parameters(), section, 0.02)
     w0 = {n: p.detach().double().clone() for n, p in model.named_parameters()}
@@ -264,7 +264,7 @@ def test_fit_with_muon_and_qk_clip(tmp_path, capsys, caplog):
 
     cfg = tiny_config(tmp_path, steps=1, optimizer={"type": "Muon", "qk_clip_threshold": 0.06,
                                                     "ns_coefficients": V4_SCHEDULE})
-    with caplog.at_level(logging.DEBUG, logger="lit_moe.qk_clip"):
+    with caplog.at_level(logging.DEBUG, logger="lit_moe.optim.qk_clip"):
         assert main(["fit", "--config", str(write_config(tmp_path, cfg))]) == 0
     assert any("QK-clip:" in r.getMessage() and "heads clipped" in r.getMessage() for r in caplog.records)
     capsys.readouterr()
@@ -285,7 +285,7 @@ def _dp_worker(rank, port, out_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lit_moe.qk_clip import _scale_rows
+    from lit_moe.optim.qk_clip import _scale_rows
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -110,7 +110,7 @@ def test_spellings_follow_mindformers_pynative_module_tree():
 # optimizer rules
 # ------------------------------------------------------------------------------------------------
 def _groups(section: dict) -> dict[str, set[str]]:
-    from lit_moe.optim import param_groups, validate_optimizer_section
+    from lit_moe.optim.optimizers import param_groups, validate_optimizer_section
 
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, "num_hidden_layers": 2}))
     groups = param_groups(model.named_parameters(), validate_optimizer_section(section), 1e-3)
@@ -145,7 +145,7 @@ def test_weight_decay_rules_take_mindformers_names():
     ({"type": "Muon", "adamw_include": ["*embeddings_typo*"]}, "optimizer.adamw_include"),
 ])
 def test_a_rule_matching_no_parameter_is_one_line_naming_key_rule_and_nearest(section, key):
-    from lit_moe.optim import check_rules, validate_optimizer_section
+    from lit_moe.optim.optimizers import check_rules, validate_optimizer_section
 
     names = [n for n, _ in tiny_model().named_parameters()]
     with pytest.raises(ConfigError) as err:
@@ -380,7 +380,7 @@ MINDFORMERS_MUON = {
 
 
 def test_optimizer_defaults_are_mindformers(caplog, monkeypatch):
-    from lit_moe.optim import validate_optimizer_section
+    from lit_moe.optim.optimizers import validate_optimizer_section
 
     adamw = dataclasses.asdict(validate_optimizer_section({}))
     assert {k: adamw[k] for k in MINDFORMERS_OPTIMIZER} == MINDFORMERS_OPTIMIZER

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_moe.config import ConfigError
-from lit_moe.optim import (MuonWithAdamW, build_optimizer, param_groups, validate_optimizer_section)
+from lit_moe.optim.optimizers import (MuonWithAdamW, build_optimizer, param_groups, validate_optimizer_section)
 
 
 class Tiny(nn.Module):
@@ -365,7 +365,7 @@ def test_low_precision_parameter_is_an_error():
 def test_extras_accepted_and_unused_ones_named(caplog):
     section = {"type": "AdamW", "eps": "1e-8", "accumulate_allreduce_grads_in_fp32": True, "swap": True,
                "my_typo": 1}
-    with caplog.at_level("WARNING", logger="lit_moe.optim"):
+    with caplog.at_level("WARNING", logger="lit_moe.optim.optimizers"):
         s = validate_optimizer_section(section)
     assert s.eps == 1e-8
     assert "AdamW ignores my_typo" in caplog.text
@@ -387,7 +387,7 @@ def test_step_on_device_skips_exactly(section):
     """A guarded step with skip=True leaves parameters and optimizer state as they were (fused AdamW
     through ``found_inf``, the other kernels and Muon by not stepping); skip=False is the plain step
     at the given learning rate."""
-    from lit_moe.optim import step_on_device
+    from lit_moe.optim.optimizers import step_on_device
 
     def run(skips):
         torch.manual_seed(0)
@@ -420,7 +420,7 @@ def test_device_lambda_lr_host_view_follows_the_schedule_without_device_reads():
     update's value, without ``sync_host``. After a skip decided on the device the host view is one
     position ahead while the device value stays put; ``sync_host`` (log steps) and ``state_dict``
     make the host exact again."""
-    from lit_moe.optim import DeviceLambdaLR
+    from lit_moe.optim.optimizers import DeviceLambdaLR
 
     def groups():
         a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
@@ -491,7 +491,7 @@ def _train(section, steps, lr=3e-3):
 
 def test_stored_moments_in_float32_are_torch_adamw_exactly():
     """The bf16-moment optimizer's update is torch's: with float32 storage it gives torch's AdamW bit for bit."""
-    from lit_moe.optim import AdamWStoredMoments
+    from lit_moe.optim.optimizers import AdamWStoredMoments
 
     torch.manual_seed(0)
     ref, ours = Tiny(), Tiny()

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from lit_moe.optim import build_optimizer
+from lit_moe.optim.optimizers import build_optimizer
 
 SHAPES = {"q_proj.weight": (8, 6), "experts.gate_up_proj": (4, 6, 4), "norm.weight": (6,)}
 

@@ -260,9 +260,9 @@ def eval_samples() -> torch.Tensor:
 
 
 def pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank: int) -> float:
-    """``lit_moe.evaluation.Evaluation``'s pass under the pipeline (micro-batches of one sample,
+    """``lit_moe.callbacks.evaluation.Evaluation``'s pass under the pipeline (micro-batches of one sample,
     ``EVAL_SAMPLES / dp`` per data-parallel rank: all the samples over the ranks)."""
-    from lit_moe.evaluation import Evaluation
+    from lit_moe.callbacks.evaluation import Evaluation
     from lit_moe.strategies.pipeline import PipelineParallel
 
     pipeline = PipelineParallel(dims, layout, container, parts, egroup)

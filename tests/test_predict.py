@@ -1,4 +1,4 @@
-"""Generation (lit_moe/generate.py, the MLA latent cache in lit_moe/model/attention.py) and ``lit_moe
+"""Generation (lit_moe/model/generate.py, the MLA latent cache in lit_moe/model/attention.py) and ``lit_moe
 predict``: greedy tokens equal to transformers' ``DeepseekV3ForCausalLM.generate`` on the same weights
 (left-padded batch, end-of-sequence), hand-computed nucleus filter, seeded sampling, one-line errors."""
 
@@ -13,7 +13,7 @@ import transformers  # the judge
 
 from helpers import ROOT, child_env, randomize_norms_and_biases, scaled, tiny_config, write_config
 from lit_moe.cli import main as cli_main
-from lit_moe.generate import LatentCache, forward_step, generate, left_pad, top_p_filter
+from lit_moe.model.generate import LatentCache, forward_step, generate, left_pad, top_p_filter
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
 from lit_moe.model.mindformers_defaults import read_pynative_model_section
 

@@ -23,7 +23,7 @@ import yaml
 
 from helpers import ROOT, run_cli, tiny_config, write_config
 from lit_moe.config import ConfigError, TrainingConfig
-from lit_moe.schedules import BatchRamp, batch_ramp
+from lit_moe.optim.schedules import BatchRamp, batch_ramp
 
 TESTS = str(ROOT / "tests")
 

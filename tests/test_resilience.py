@@ -326,7 +326,7 @@ def test_slurm_requeue_signal_requeues_after_the_save(tmp_path, monkeypatch):
 
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from lit_moe.preemption import _maybe_requeue
+    from lit_moe.runtime.preemption import _maybe_requeue
 
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "bin" / "scontrol"
@@ -435,7 +435,7 @@ def test_a_failed_fit_leaves_the_callers_sigterm_handler_in_charge(tmp_path):
     import torch
     from lightning.pytorch import LightningModule, Trainer
 
-    from lit_moe.preemption import Preemption
+    from lit_moe.runtime.preemption import Preemption
 
     class Fails(LightningModule):
         def __init__(self):

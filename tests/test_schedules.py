@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_moe.config import ConfigError
-from lit_moe.schedules import SUPPORTED_SCHEDULES, build_lr_lambda, learning_rate_at
+from lit_moe.optim.schedules import SUPPORTED_SCHEDULES, build_lr_lambda, learning_rate_at
 
 
 def lrs(section, total, steps):
@@ -176,7 +176,7 @@ def test_wsd_needs_decay_start_and_total_steps_positive():
 
 
 def test_unused_keys_are_named(caplog):
-    with caplog.at_level("WARNING", logger="lit_moe.schedules"):
+    with caplog.at_level("WARNING", logger="lit_moe.optim.schedules"):
         build_lr_lambda({"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "lr_end": 1e-5, "total_steps": 7}, 10)
     text = caplog.text
     assert "ConstantWarmUpLR ignores lr_end" in text

@@ -171,7 +171,7 @@ _TORCHRUN_4_ON_2 = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_
     ({"SLURM_NTASKS": "1"}, {}, (1, 1, 1, "srun")),
 ])
 def test_launch_world_follows_the_launcher(env, trainer, want):
-    from lit_moe.launch import launch_world
+    from lit_moe.runtime.launch import launch_world
 
     got = launch_world(trainer, set(trainer), env=env)
     assert (got.world_size, got.devices, got.num_nodes, got.launcher) == want
@@ -188,7 +188,7 @@ def test_launch_world_follows_the_launcher(env, trainer, want):
 ])
 def test_launch_world_disagreement_is_one_line_naming_the_keys(env, trainer, words):
     from lit_moe.config import ConfigError
-    from lit_moe.launch import launch_world
+    from lit_moe.runtime.launch import launch_world
 
     with pytest.raises(ConfigError) as err:
         launch_world(trainer, set(trainer), env=env)
@@ -198,7 +198,7 @@ def test_launch_world_disagreement_is_one_line_naming_the_keys(env, trainer, wor
 
 def test_a_built_world_other_than_the_sized_one_stops():
     from lit_moe.config import ConfigError
-    from lit_moe.launch import check_built_world
+    from lit_moe.runtime.launch import check_built_world
 
     check_built_world(4, 4)
     with pytest.raises(ConfigError, match="built 8 processes but the run was sized for 4"):

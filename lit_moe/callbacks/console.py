@@ -81,7 +81,7 @@ def summary_line(model_config: Any, *, global_batch_size: int, local_batch_size:
                  accumulation_steps: int, dims: Any = None, trainable: Optional[int] = None,
                  ramp: Any = None, consumed_samples: int = 0) -> str:
     """The line printed when training starts. ``ramp``: the run's
-    :class:`~lit_moe.schedules.BatchRamp` (the batch of the first step is read at ``consumed_samples``)."""
+    :class:`~lit_moe.optim.schedules.BatchRamp` (the batch of the first step is read at ``consumed_samples``)."""
     from lit_moe.model.sizing import param_counts
 
     counts = param_counts(model_config)

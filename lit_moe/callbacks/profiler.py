@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import emit, steps_done
-from lit_moe.distributed import global_rank
+from lit_moe.runtime.distributed import global_rank
 
 DEFAULT_OUTPUT_PATH = "output/profile"
 

@@ -12,7 +12,7 @@ divided by the world size — not multiplied by ``tp × cp`` as Lightning's Thro
 MFU = achieved FLOP/s per device / the device's peak dense bf16 FLOP/s. Known peaks are vendor
 datasheet values (the "with sparsity" figures halved); an unknown accelerator or a CPU gets a
 measured GEMM rate in the run's compute dtype instead (timed matmuls within one second, once per
-process: :func:`lit_moe.device_speed.measure_matmul_peak`), and ``peak_flops`` overrides either.
+process: :func:`lit_moe.runtime.device_speed.measure_matmul_peak`), and ``peak_flops`` overrides either.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
-from lit_moe.device_speed import measure_matmul_peak
+from lit_moe.runtime.device_speed import measure_matmul_peak
 from lit_moe.callbacks._common import add_scalar, check_log_interval, emit, is_log_step, tb_writer
-from lit_moe.distributed import is_distributed
+from lit_moe.runtime.distributed import is_distributed
 from lit_moe.step import StepMetrics
 
 # Peak dense bf16 tensor FLOP/s per device, matched as a substring of the device name lower-cased

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lit_moe.callbacks._common import emit, tensor_norm
-from lit_moe.distributed import global_rank, world_size
+from lit_moe.runtime.distributed import global_rank, world_size
 from lit_moe.config import ConfigError
 from lit_moe.model.names import canonical_name, no_match_error, spellings
 from lit_moe.step import GradientObserver, StepMetrics

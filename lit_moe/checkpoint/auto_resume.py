@@ -206,8 +206,8 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
     ``data_parallel``: the run's data-parallel size (must divide a resumed run's consumed samples)."""
     from lit_moe.checkpoint.compat import RunSettings, check_resume_settings, run_settings
     from lit_moe.checkpoint.resume import resolve_load
-    from lit_moe.peers import PeerWatch
-    from lit_moe.preemption import Preemption
+    from lit_moe.runtime.peers import PeerWatch
+    from lit_moe.runtime.preemption import Preemption
 
     if not isinstance(checkpoint.auto_resume, bool):
         raise ConfigError(f"checkpoint.auto_resume: expected true or false, got {checkpoint.auto_resume!r}")
@@ -283,7 +283,9 @@ def resolve_start(checkpoint: CheckpointConfig, model_config: Any = None, *, max
             diffs = check_resume_settings(state, settings, override=checkpoint.override_schedule,
                                           where=str(load.path), step=load.step)
         callbacks.append(RunSettings(settings, diffs))
-    callbacks += [Preemption(), PeerWatch()]
+    # PeerWatch first: its on_exception names a lost rank (and exits) while Preemption's handler still
+    # holds the SIGTERM torchrun's agent sends every survivor; Preemption's on_exception then lets it go.
+    callbacks += [PeerWatch(), Preemption()]
     return Start(checkpoint, load, callbacks, auto)
 
 

@@ -1,6 +1,6 @@
 """Resuming with changed settings: one rule for the learning-rate schedule and the optimizer.
 
-Every checkpoint records the resolved schedule (``lit_moe.schedules.Schedule``: type, peak, warm-up,
+Every checkpoint records the resolved schedule (``lit_moe.optim.schedules.Schedule``: type, peak, warm-up,
 ``lr_end``, total steps, ...) and the validated optimizer hyperparameters (type, betas, eps, weight
 decay, ...) of the run that wrote it, as the state of the :class:`RunSettings` callback. On resume the
 config's settings are compared with them before anything is built:
@@ -36,8 +36,8 @@ _RECORDED_WHEN_SET = {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32"}
 
 def run_settings(lr_section: dict, optimizer_section: dict, total_steps: int) -> dict[str, dict[str, Any]]:
     """The schedule and optimizer hyperparameters a run uses, as plain JSON values."""
-    from lit_moe.optim import validate_optimizer_section
-    from lit_moe.schedules import resolve_schedule
+    from lit_moe.optim.optimizers import validate_optimizer_section
+    from lit_moe.optim.schedules import resolve_schedule
 
     schedule = dataclasses.asdict(resolve_schedule(lr_section, total_steps))
     optimizer = {k: v for k, v in dataclasses.asdict(validate_optimizer_section(optimizer_section)).items()

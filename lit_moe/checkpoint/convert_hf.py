@@ -240,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         out = convert(args.config, args.checkpoint, args.output, args.dtype, args.max_shard_size)
     except (ConfigError, HFCheckpointError) as err:
-        from lit_moe.tool_errors import one_line
+        from lit_moe.tools.errors import one_line
 
         print(f"lit_moe convert-hf: error: {one_line(err)}", file=sys.stderr)
         return 2

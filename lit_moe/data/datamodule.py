@@ -359,7 +359,7 @@ class MegatronDataModule(LightningDataModule):
             (the GPTDataset shuffle uses ``dataloader.config.seed``, default 1234, as in MindFormers).
         seq_length: ``model.seq_length``; fills or must match ``dataloader.config.seq_length``.
         accumulation_steps: micro-batches per optimizer step on each rank (``A``).
-        batch_ramp: ``training.rampup_batch_size`` (:class:`~lit_moe.schedules.BatchRamp`): each step's
+        batch_ramp: ``training.rampup_batch_size`` (:class:`~lit_moe.optim.schedules.BatchRamp`): each step's
             ``A`` from the samples consumed before it; None: ``accumulation_steps`` throughout.
 
     The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs`` in

@@ -301,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         preprocess(args)
     except ConfigError as err:
-        from lit_moe.tool_errors import one_line
+        from lit_moe.tools.errors import one_line
 
         print(f"lit_moe preprocess: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -135,7 +135,7 @@ class CoreAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.use_flash_attention = use_flash_attention
         self.softmax_dtype = softmax_dtype
-        # QK-clip (lit_moe.qk_clip): per-head running maximum of the scaled logits while training
+        # QK-clip (lit_moe.optim.qk_clip): per-head running maximum of the scaled logits while training
         self.track_max_logits = False
         self.max_logits: Optional[torch.Tensor] = None
 
@@ -298,7 +298,7 @@ def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], 
     Under tensor parallel the projections are called as modules, so their hooks hand them this rank's
     weights: ``q_b_proj``/``kv_b_proj`` give this rank's heads (``heads`` is counted from ``q``), the
     cached latent and rope key are the same on every rank, and ``o_proj`` returns a partial sum that the
-    caller adds up over the ranks (:func:`lit_moe.generate.forward_step`)."""
+    caller adds up over the ranks (:func:`lit_moe.model.generate.forward_step`)."""
     B, S, _ = x.shape
     if attn.q_lora_rank is None:
         q = attn.q_proj(x)

@@ -114,7 +114,7 @@ def normalise(cfg: Any) -> None:
         key = str(value).replace("torch.", "").lower()
         if key == "auto" and name == "compute_dtype":
             # a run resolves it for its accelerator first (and prints the line); elsewhere: this machine's
-            from lit_moe.device_speed import available_accelerator, resolve_compute_dtype
+            from lit_moe.runtime.device_speed import available_accelerator, resolve_compute_dtype
 
             key = resolve_compute_dtype("auto", available_accelerator())[0]
         if key not in _DTYPES:

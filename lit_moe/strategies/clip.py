@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from lit_moe.distributed import local_tensor, world_size
+from lit_moe.runtime.distributed import local_tensor, world_size
 
 try:  # FSDP2 over an already sharded dimension (experts: ep Shard(0), then FSDP) gives _StridedShard
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -222,7 +222,7 @@ def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recomp
                 mem: dict, device_memory: Optional[str] = None) -> dict[str, Any]:
     """Print the per-rank peak table, its headline and (with ``device_memory``) the fits line; return the
     rows (``peaks``, ``full_recompute``, ``bf16_moments``) and the line (``fits``)."""
-    from lit_moe.optim import low_precision_moments, validate_optimizer_section
+    from lit_moe.optim.optimizers import low_precision_moments, validate_optimizer_section
 
     configured = configured_full_layers(model_config, recompute, recompute_comm)
     selection = configured_selection(model_config, dims, recompute, recompute_comm)

@@ -70,7 +70,7 @@ def local_bytes(model: torch.nn.Module, optimizer_section: Optional[dict] = None
     parameters (a pipeline rank's stages)."""
     from torch.distributed.tensor import DTensor
 
-    from lit_moe.optim import optimizer_state_bytes, validate_optimizer_section
+    from lit_moe.optim.optimizers import optimizer_state_bytes, validate_optimizer_section
 
     settings = validate_optimizer_section(optimizer_section or {"type": "AdamW"})
     out = {"params": 0, "grads": 0, "optimizer": 0, "unsharded_grads": 0, "gathered_params": 0, "params_numel": 0}
@@ -133,7 +133,7 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
     model and the batch: the one validation ``lit_moe fit`` and ``lit_moe plan`` share, so that plan
     refuses what fit refuses."""
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
-    from lit_moe.schedules import RAMPUP_KEY, batch_ramp
+    from lit_moe.optim.schedules import RAMPUP_KEY, batch_ramp
     from lit_moe.strategies.pipeline import PipelineLayout, check_pipeline_run
     from lit_moe.strategies.strategy import check_parallelism_section
 
@@ -164,7 +164,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
     out = sys.stdout if out is None else out
 
-    from lit_moe.device_speed import available_accelerator, print_note, resolve_model_section
+    from lit_moe.runtime.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
@@ -222,7 +222,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  accumulation steps {accumulation} (= {training.global_batch_size} // {per_micro})"
       + (f"; {training.global_batch_size - accumulation * per_micro} samples of each global batch dropped"
          if training.global_batch_size % per_micro else ""), file=out)
-    from lit_moe.schedules import batch_ramp
+    from lit_moe.optim.schedules import batch_ramp
 
     ramp = batch_ramp(training, dims.dp)
     if ramp is not None:
@@ -287,7 +287,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
 
 
 def _optimizer_label(optimizer_section: dict) -> str:
-    from lit_moe.optim import validate_optimizer_section
+    from lit_moe.optim.optimizers import validate_optimizer_section
 
     settings = validate_optimizer_section(optimizer_section)
     if settings.type != "AdamW":
@@ -536,7 +536,7 @@ def main(argv: list[str]) -> int:
             parse_device_memory(args.device_memory)   # a bad value is refused before the model is built
         plan(args.config, args.world_size, overrides=overrides, device_memory=args.device_memory)
     except (ConfigError, ValueError) as err:
-        from lit_moe.tool_errors import one_line
+        from lit_moe.tools.errors import one_line
 
         print(f"lit_moe plan: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from torch import nn
 
 from lit_moe.checkpoint.resume import IterationResume
 from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
-from lit_moe.launch import check_built_world
+from lit_moe.runtime.launch import check_built_world
 from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_

@@ -16,7 +16,7 @@ reduce-scatters its partial output on exit:
   vocabulary-parallel (the model's ``hooks.per_token_loss``, see
   :func:`lit_moe.strategies.comm.vocab_parallel_cross_entropy`).
 
-Decoding (``sequence_parallel=False``, :mod:`lit_moe.predict`): one new token cannot be split along the
+Decoding (``sequence_parallel=False``, :mod:`lit_moe.tools.predict`): one new token cannot be split along the
 sequence, so the same shards run as plain tensor parallel: the blocks' entry gathers pass their input
 through, their exit reduce-scatters all-reduce, and the head's vocabulary columns are all-gathered.
 

@@ -10,7 +10,7 @@ refused", or a hang, and the restart is lost.
 publishes it in the agent store under a key of this attempt; every rank then initialises through
 ``env://`` with rank 0 hosting a new store on that port (``TORCHELASTIC_USE_AGENT_STORE=False``),
 so nothing from an earlier attempt can be read. The agent store stays reachable
-(``LIT_MOE_AGENT_STORE``) for :mod:`lit_moe.peers`, because it outlives any worker.
+(``LIT_MOE_AGENT_STORE``) for :mod:`lit_moe.runtime.peers`, because it outlives any worker.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class PeerWatch(Callback):
         if self._thread is not None or not (dist.is_available() and dist.is_initialized()):
             return
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
-        from lit_moe.elastic import AGENT_STORE_ENV
+        from lit_moe.runtime.elastic import AGENT_STORE_ENV
 
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if os.environ.get(AGENT_STORE_ENV):  # torchrun's agent store outlives every worker

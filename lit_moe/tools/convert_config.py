@@ -885,7 +885,7 @@ class _Converter:
                           f"({', '.join(_ADAMW_FAMILY[1:])} map to it), Muon")
 
     def lr_scheduler(self, steps: int) -> None:
-        from lit_moe.schedules import _COMMON_KEYS, _TYPE_KEYS, SUPPORTED_SCHEDULES
+        from lit_moe.optim.schedules import _COMMON_KEYS, _TYPE_KEYS, SUPPORTED_SCHEDULES
 
         sched = self.section("lr_schedule")
         if not sched:
@@ -1128,8 +1128,8 @@ def _check_fixed_keys(name: str, value: Any, cls: type) -> None:
 
 def validate_conversion(pynative: dict, predict: bool = False) -> None:
     """Check the converted sections the way ``lit_moe fit`` will (one-line :class:`ConfigError`)."""
-    from lit_moe.optim import validate_optimizer_section
-    from lit_moe.schedules import resolve_schedule
+    from lit_moe.optim.optimizers import validate_optimizer_section
+    from lit_moe.optim.schedules import resolve_schedule
 
     for name, cls in _FIXED_SECTIONS.items():
         _check_fixed_keys(name, pynative.get(name), cls)
@@ -1214,7 +1214,7 @@ def main(argv: list[str]) -> int:
         result.notes[:0] = [f"graph.yaml: key {key!r} is given twice in one mapping (lines {first} and {line}); "
                             "the last one is used, as MindFormers (PyYAML) reads it" for key, first, line in repeated]
     except ConfigError as err:
-        from lit_moe.tool_errors import one_line
+        from lit_moe.tools.errors import one_line
 
         print(f"lit_moe convert-config: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 Generates text from a trained model in one process (or several, below): the model of the config's
 ``model`` section with the weights of ``--checkpoint`` (a ``save_path``, an iteration directory
 written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
-(:mod:`lit_moe.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
+(:mod:`lit_moe.model.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
 Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
 
 The tokenizer is the run's: ``--tokenizer`` (``byte``, ``builtin:NAME``, a ``tokenizer.json`` or a
@@ -189,7 +189,7 @@ def check_model(config) -> None:
 
 def predict(args: argparse.Namespace) -> list[dict]:
     from lit_moe.config_file import load_yaml
-    from lit_moe.generate import generate
+    from lit_moe.model.generate import generate
     from lit_moe.model import DeepseekV3Config
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch.distributed as dist
 
     from lit_moe.model.hf import HFCheckpointError
-    from lit_moe.tool_errors import one_line
+    from lit_moe.tools.errors import one_line
 
     ours = not dist.is_initialized()   # a process group started here (not by a caller) is ended here
     try:

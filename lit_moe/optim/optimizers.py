@@ -26,7 +26,7 @@ MindFormers' PyNative Muon (``mindformers/pynative/optimizer/muon.py``): ``ns_co
 ``[a, b, c]`` for all ``ns_steps`` steps or a per-step schedule ``[[[a, b, c], count], ...]`` (then
 ``ns_steps`` is the sum of the counts); the update is scaled by ``lr * matched_adamw_rms *
 sqrt(max(rows, cols))``; ``qk_clip_enabled`` (default true, as there) rescales the query/key projections
-after each step (:mod:`lit_moe.qk_clip`); ``comm_strategy`` only chooses MindFormers' communication.
+after each step (:mod:`lit_moe.optim.qk_clip`); ``comm_strategy`` only chooses MindFormers' communication.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def validate_optimizer_section(optimizer_section: Optional[dict]) -> OptimizerSe
     if s.comm_strategy not in _COMM_STRATEGIES:
         raise ConfigError(f"optimizer.comm_strategy: expected one of {', '.join(_COMM_STRATEGIES)}, "
                           f"got {s.comm_strategy!r}")
-    # MindFormers' Muon defaults QK-clip to on with threshold 100 (lit_moe.qk_clip)
+    # MindFormers' Muon defaults QK-clip to on with threshold 100 (lit_moe.optim.qk_clip)
     s.qk_clip_enabled = bool(_bool(section, "qk_clip_enabled", True))
     s.qk_clip_threshold = _float(section, "qk_clip_threshold", 100.0)
     if s.qk_clip_enabled and s.qk_clip_threshold <= 0:
@@ -458,7 +458,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict[str, Any]], muon_kwargs: dict[str, Any], adamw_kwargs: dict[str, Any],
                  qk_clip: Any = None):
-        self.qk_clip = qk_clip   # lit_moe.qk_clip.QKClip: after every step (not pickled with the state)
+        self.qk_clip = qk_clip   # lit_moe.optim.qk_clip.QKClip: after every step (not pickled with the state)
         muon_groups = [g for g in groups if g["name"].startswith("muon.")]
         adamw_groups = [g for g in groups if not g["name"].startswith("muon.")]
         self.muon = ScheduledMuon(muon_groups, **muon_kwargs) if muon_groups else None
@@ -607,7 +607,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optimi
                            adjust_lr_fn=settings.adjust_lr_fn)
         adamw_kwargs = dict(lr=learning_rate, betas=settings.betas, eps=settings.adamw_eps,
                             weight_decay=settings.weight_decay, **kernels)
-        from lit_moe.qk_clip import build_qk_clip
+        from lit_moe.optim.qk_clip import build_qk_clip
 
         optimizer = MuonWithAdamW(groups, muon_kwargs, adamw_kwargs, qk_clip=build_qk_clip(model, settings))
     log.info("optimizer: %s, %s", settings.type,

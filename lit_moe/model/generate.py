@@ -10,7 +10,7 @@ Decoding is greedy (``temperature <= 0``) or samples from ``softmax(logits / tem
 restricted to the top-p nucleus, with a generator seeded by ``seed`` (the same seed, the same text).
 A sequence that produced ``eos_id`` is padded with ``pad_id`` afterwards (transformers' ``generate``).
 
-Under tensor parallel (:func:`lit_moe.predict.whole_sequence_on_every_rank`) every rank keeps the
+Under tensor parallel (:func:`lit_moe.tools.predict.whole_sequence_on_every_rank`) every rank keeps the
 whole residual stream and the whole (replicated) latent cache, expanded into its own heads; the
 partial outputs of the row-parallel layers are summed over the ranks, so every rank computes the
 same logits and draws the same tokens.
