@@ -123,6 +123,11 @@ def test_family_defaults_and_rules():
                        (dict(compress_ratios=[0, 4, 64, 4], layer_types=None), r"model\.compress_ratios: 64")):
         with pytest.raises(ConfigError, match=match):
             DeepseekV3Config(**{**V4, **bad})
+    # tensor parallel keeps whole head groups of the grouped output projection on a rank
+    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
+
+    with pytest.raises(ParallelismError, match=r"^parallelism\.tensor_parallel: 4 must divide model\.o_groups 2 "):
+        ParallelDims(world_size=4, tp=4).validate_model(DeepseekV3Config(**V4))
 
 
 def test_export_refuses_what_transformers_cannot_hold():
@@ -164,11 +169,11 @@ def test_mindformers_deepseek4_config_refuses_its_layout_then_trains_in_one_proc
     cfg, original = mindformers_v4(tmp_path, steps=3)
     one_process = dict(data_parallel_shard=1, expert_parallel=1, tensor_parallel=1, pipeline_parallel=1,
                        pipeline_parallel_interleave_num=1)
-    # as written, what cannot work is refused in one line naming it: its layout (tp2, pp2 with mHC) ...
+    # as written, what cannot work is refused in one line naming it: its layout (tp2 runs, pp2 with mHC not) ...
     assert main(["plan", "--config", str(write_config(tmp_path, original, "as_written.yaml")), "-n", "8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("parallelism.tensor_parallel: 2 with model.enable_hyper_connections True is not supported "
-                        "(DeepSeek-V4's pieces run with data, FSDP and expert parallelism only)") and "\n" not in err
+    assert err.endswith("parallelism.pipeline_parallel: 2 with model.enable_hyper_connections True is not supported "
+                        "(DeepSeek-V4's pieces run with data, FSDP, tensor and expert parallelism only)") and "\n" not in err
     # its recompute keys name paths inside a layer with a "layers.*." prefix, which lit_moe's paths do not
     # have (on 8 ranks: one line, "'layers.*.self_attention.*' matches no module"); here the paths themselves
     cfg["recompute"]["select_module"] = {"self_attention.*": ["0-3"], "mlp.*": ["0-3"]}

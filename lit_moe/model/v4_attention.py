@@ -150,6 +150,17 @@ class Indexer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # the attention
 # ----------------------------------------------------------------------------------------------
+class GroupedLinear(Linear):
+    """The block-diagonal output projection ``o_a_proj``: ``[B, S, g, in]`` → ``[B, S, g * rank]``,
+    group g through its own rows ``[g*rank, (g+1)*rank)``. The group count is read from the input, so
+    a tensor-parallel rank holding whole groups (its heads, their rows) runs the same code."""
+
+    def forward(self, grouped: torch.Tensor) -> torch.Tensor:
+        groups = grouped.shape[-2]
+        w = self.weight.to(grouped.dtype).view(groups, -1, grouped.shape[-1])        # [g, rank, in]
+        return torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2)
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
                    scale: float, dropout: float, training: bool) -> torch.Tensor:
     """softmax over [q·k * scale (masked) | sink_h] without the sink's column, times k (k = v).
@@ -185,7 +196,7 @@ class V4Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ln, dtype=dtype)
         group_in = self.heads * self.head_dim // self.groups
         # block-diagonal: group g maps its heads' [group_in] to rows [g*rank, (g+1)*rank)
-        self.o_a_proj = Linear(group_in, self.groups * c.o_lora_rank, dtype=dtype)
+        self.o_a_proj = GroupedLinear(group_in, self.groups * c.o_lora_rank, dtype=dtype)
         self.o_b_proj = Linear(self.groups * c.o_lora_rank, c.hidden_size, dtype=dtype)
         self.sinks = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
         # compressed layers: the pooled keys; CSA also its indexer (HCA attends to every visible entry)
@@ -205,7 +216,8 @@ class V4Attention(nn.Module):
         position_ids = ctx.position_ids
         cos, sin = rotary_angles(position_ids, self.rope_dim, self.theta)            # [B, S, r/2]
         q_latent = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_head_norm(self.q_b_proj(q_latent).view(B, S, self.heads, self.head_dim), self.eps)
+        # heads counted from q: a tensor-parallel rank holds its own (q_b_proj's rows, sinks, o_a_proj's groups)
+        q = unweighted_head_norm(self.q_b_proj(q_latent).view(B, S, -1, self.head_dim), self.eps)
         q = rotate_trailing(q, cos[:, :, None], sin[:, :, None])
         kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)                # [B, S, d]
         allowed = self._local_mask(position_ids, ctx.full_mask)
@@ -220,7 +232,7 @@ class V4Attention(nn.Module):
         out = sink_attention(q.transpose(1, 2), kv, allowed, self.sinks, self.scale,
                              self.attention_dropout, self.training).transpose(1, 2)      # [B, S, h, d]
         out = rotate_trailing(out, cos[:, :, None], -sin[:, :, None])
-        return self.o_b_proj(self._grouped_o_a(out.reshape(B, S, self.groups, -1)))
+        return self.o_b_proj(self.o_a_proj(out.reshape(B, S, -1, self.o_a_proj.in_features)))
 
     def _local_mask(self, position_ids: torch.Tensor, full_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """``[B, S, S]``: causal within the last ``sliding_window`` positions (and the model's mask)."""
@@ -229,8 +241,3 @@ class V4Attention(nn.Module):
         if full_mask is not None:
             allowed = allowed & full_mask[:, 0]
         return allowed
-
-    def _grouped_o_a(self, grouped: torch.Tensor) -> torch.Tensor:
-        """``[B, S, g, group_in]`` → ``[B, S, g * o_lora_rank]``, group g through its own rows of o_a_proj."""
-        w = self.o_a_proj.weight.to(grouped.dtype).view(self.groups, -1, grouped.shape[-1])   # [g, rank, in]
-        return torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2)

@@ -138,6 +138,11 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} must divide model.num_attention_heads {heads} "
                 "(tensor parallel shards attention heads)")
+        groups = getattr(model_config, "o_groups", None)
+        if T > 1 and getattr(model_config, "v4_attention", False) and groups % T:
+            raise ParallelismError(
+                f"parallelism.tensor_parallel: {T} must divide model.o_groups {groups} (DeepSeek-V4's grouped "
+                "output projection; tensor parallel keeps whole head groups on a rank)")
         if T > 1 and getattr(model_config, "multi_latent_attention", True) is False and model_config.kv_heads % T:
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} must divide the key/value heads of grouped-query attention "
@@ -177,11 +182,11 @@ class ParallelDims:
                 "yet (the indexer scores each query against every key of the sequence; its keys are not gathered "
                 "over the context-parallel ranks)")
         piece = _v4_piece(model_config)
-        for key, degree in (("tensor_parallel", T), ("context_parallel", C), ("pipeline_parallel", self.pp)):
+        for key, degree in (("context_parallel", C), ("pipeline_parallel", self.pp)):
             if piece and degree > 1:
                 raise ParallelismError(
                     f"parallelism.{key}: {degree} with model.{piece} is not supported (DeepSeek-V4's pieces "
-                    "run with data, FSDP and expert parallelism only)")
+                    "run with data, FSDP, tensor and expert parallelism only)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
