@@ -87,11 +87,12 @@ LAYOUTS = {
     # FSDP over 4 ranks, step 2 vetoed by a StepGuard: nothing changes, the next step goes on from step 1
     "dp4_skip": _layout(4, skip=True),
     # the other families: Qwen3-MoE's softmax router under expert parallel, GLM-4-MoE's q/k/v heads and
-    # biases under tensor parallel, DeepSeek-V3.2's sparse attention under tensor parallel
+    # biases under tensor parallel, DeepSeek-V3.2's sparse attention under context + tensor parallel
     "qwen3_dp2_ep2": _layout(2, ep=2, family="qwen3_moe"),
     "glm4_tp2": _layout(2, tp=2, family="glm4_moe"),
-    # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel
-    "v32_tp2": _layout(2, tp=2, family="deepseek_v32"),
+    # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel,
+    # its keys all-gathered over context parallel (zig-zag chunks back in sequence order)
+    "v32_cp2_tp2": _layout(4, cp=2, tp=2, family="deepseek_v32"),
     # DeepSeek-V4's pieces (hash router, mHC streams, its attention) under FSDP + tensor + expert parallel:
     # heads, sinks and head groups split, compressors, indexer and mHC weights replicated (partial gradients)
     "v4_tp2_ep2": _layout(4, tp=2, ep=2, family="deepseek_v4"),

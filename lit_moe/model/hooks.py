@@ -52,6 +52,14 @@ class ModelHooks:
     balancing loss (:func:`lit_moe.model.moe.load_balancing_loss`). None: this rank's tokens are whole
     sequences. Context parallel: summed over the cp ranks."""
 
+    indexer_keys: Optional[Callable[[torch.Tensor, Any, int], tuple[torch.Tensor, torch.Tensor]]] = None
+    """``(this rank's indexer keys [B, S, D], the attention's mask, the layer's window (-1: none)) ->
+    (the keys each query picks from [B, S_k, D], the allowed mask of this rank's queries against them
+    [B or 1, 1, S, S_k])``, for DeepSeek-V3.2's indexer (:mod:`lit_moe.model.indexer`). None: the keys
+    and mask as given. Context parallel: every cp rank's keys all-gathered into sequence order, and the
+    exact mask rows of this rank's zig-zag positions (the indexer ranks each query against every key of
+    the sequence)."""
+
     breaks_graphs: Callable[[nn.Module], bool] = own_graph_breaks
     """``(module) -> whether a compiled function calling it would break its graph there`` (the
     ``torch_compile`` switch compiles a smaller function then, :mod:`lit_moe.model.compile`). Default:

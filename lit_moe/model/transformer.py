@@ -84,8 +84,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
         self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
         self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
-        for part in (*self.blocks(), *self.moe_layers()):
-            part.hooks = self.hooks
+        for part in self.modules():   # every part with hooks (blocks, MoE layers, indexers) shares the model's
+            if isinstance(getattr(part, "hooks", None), ModelHooks):
+                part.hooks = self.hooks
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights(torch.initial_seed())

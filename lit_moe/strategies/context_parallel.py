@@ -38,6 +38,11 @@ model, and only attention sees the other ranks' tokens.
   ``cp · sum_c / count_total`` (the count summed over cp): the mean over the cp ranks (what
   data-parallel gradient averaging and loss logging compute) is then exactly the sequence's mean,
   and every gradient is the single-process one. This holds for every MTP depth too.
+* **DeepSeek-V3.2's indexer** ranks each query against every key of the sequence: its keys (one
+  per token, ``index_head_dim`` wide) are all-gathered over cp and put in sequence order, each
+  query's top-k is chosen among the keys its global position allows (:func:`indexer_keys`, the
+  model's ``hooks.indexer_keys``), and the all-gather attention meets the selection's rows
+  (``context_parallel_method: colossal`` only).
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
@@ -190,20 +195,25 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         # ``allowed``: this forward's ShardMasks (pipeline stages put them in the attention
-        # context), else the model's mask of the local tokens only, and the masks are the shard's
-        # latest; the exact rows of the whole sequence are built here
+        # context), else the masks are the shard's latest; the exact rows of the whole sequence are
+        # built here. A tensor: DeepSeek-V3.2's indexer selection, this rank's queries (local order)
+        # against every key of the sequence ([B or 1, 1, S/cp, S], :func:`indexer_keys`), the mask
+        # rows themselves (all-gather only: refused with ulysses)
         masks = allowed if isinstance(allowed, ShardMasks) else self.shard.current
+        selected = allowed if isinstance(allowed, torch.Tensor) else None
         if self.asynchronous:
             return self._forward_async(q, k, v, masks)
         if self.u > 1:
             q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
-        out = self._attend(q, k, v, masks)
+        out = self._attend(q, k, v, masks, selected)
         if self.u > 1:
             out = self.all_to_all(out, scatter_dim=2, gather_dim=1)
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks) -> torch.Tensor:
-        """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks,
+                selected: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks;
+        ``selected``: the allowed keys of each query (the indexer's, module docstring)."""
         if self.groups > 1:
             k, v = self.all_gather(k), self.all_gather(v)
         k = _reorder(k, self.key_chunks, self.sorted_keys)
@@ -219,7 +229,9 @@ class ContextParallelAttention(nn.Module):
         for i, j in enumerate(self.query_chunks):
             lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
             q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
-            if masks.plain(self.window_left) and self._block_causal(q_j):
+            if selected is not None:   # its rows already hold the causal (window, document) rules
+                outs.append(self.inner(q_j, k_j, v_j, selected[:, :, i * c:(i + 1) * c, :hi]))
+            elif masks.plain(self.window_left) and self._block_causal(q_j):
                 # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
                 outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
             else:
@@ -271,6 +283,28 @@ class ContextParallelAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ulysses={self.u}, all_gather_groups={self.groups}, async={self.asynchronous}"
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3.2's indexer: its keys over the whole sequence
+# ----------------------------------------------------------------------------------------------
+def indexer_keys(k: torch.Tensor, allowed: Any, window_left: int, shard: _Shard, group: dist.ProcessGroup
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's ``hooks.indexer_keys``: this rank's indexer keys ``[B, S/cp, D]`` (zig-zag order)
+    → every rank's, all-gathered and put in sequence order ``[B, S, D]``, with the allowed mask of
+    this rank's queries against them ``[B or 1, 1, S/cp, S]`` (its two chunks' exact rows of the
+    whole sequence's mask: causal in global positions, window, documents). Computed without
+    autograd, as the indexer's scores."""
+    masks = allowed if isinstance(allowed, ShardMasks) else shard.current
+    size = shard.size
+    gathered = torch.empty((size * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
+    comm._all_gather_single(gathered, k.contiguous(), group)                  # [cp·B, S/cp, D]
+    order = _chunks_of((r, size) for r in range(size))                        # rank r: chunks r, 2cp-1-r
+    whole = _reorder(torch.cat(list(gathered.view(size, *k.shape).unbind(0)), dim=1), order, sorted(order), dim=1)
+    c, S = masks.chunk, masks.seq
+    rows = torch.cat([masks.mask(j * c, (j + 1) * c, S, window_left) for j in rank_chunks(size, shard.rank)],
+                     dim=2)
+    return whole, rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,6 +397,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     hooks.loss_share = share
     hooks.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
     hooks.shard_inputs = shard_inputs
+    if getattr(config, "sparse_attention", False):
+        hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",

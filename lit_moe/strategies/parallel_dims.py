@@ -176,11 +176,6 @@ class ParallelDims:
                     f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
                     "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
-        if C > 1 and getattr(model_config, "sparse_attention", False):
-            raise ParallelismError(
-                f"parallelism.context_parallel: {C} with model.experimental_attention_variant 'dsa' is not supported "
-                "yet (the indexer scores each query against every key of the sequence; its keys are not gathered "
-                "over the context-parallel ranks)")
         piece = _v4_piece(model_config)
         for key, degree in (("context_parallel", C), ("pipeline_parallel", self.pp)):
             if piece and degree > 1:
@@ -499,6 +494,11 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
+        if degree > 1 and getattr(model_config, "sparse_attention", False):
+            raise ParallelismError(
+                f"parallelism.context_parallel_method: {p.context_parallel_method!r} with model."
+                "experimental_attention_variant 'dsa' is not supported (the indexer selects keys for this rank's "
+                "queries, which only 'colossal' keeps on their rank)")
     if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
