@@ -177,11 +177,10 @@ class ParallelDims:
                     "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
         piece = _v4_piece(model_config)
-        for key, degree in (("context_parallel", C), ("pipeline_parallel", self.pp)):
-            if piece and degree > 1:
-                raise ParallelismError(
-                    f"parallelism.{key}: {degree} with model.{piece} is not supported (DeepSeek-V4's pieces "
-                    "run with data, FSDP, tensor and expert parallelism only)")
+        if piece and C > 1:
+            raise ParallelismError(
+                f"parallelism.context_parallel: {C} with model.{piece} is not supported (DeepSeek-V4's pieces "
+                "run with data, FSDP, tensor, expert and pipeline parallelism only)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
