@@ -128,11 +128,16 @@ def test_family_defaults_and_rules():
 
     with pytest.raises(ParallelismError, match=r"^parallelism\.tensor_parallel: 4 must divide model\.o_groups 2 "):
         ParallelDims(world_size=4, tp=4).validate_model(DeepseekV3Config(**V4))
-    # what stays refused: context parallel (sliding windows and compressor windows cross the zig-zag chunks)
-    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel: 2 with model\.enable_hyper_connections "
-                                               r"True is not supported \(DeepSeek-V4's pieces run with data, FSDP, "
-                                               r"tensor, expert and pipeline parallelism only\)$"):
-        ParallelDims(world_size=2, cp=2).validate_model(DeepseekV3Config(**V4))
+    # context parallel gathers the attention's keys to this rank's queries: the all-gather method only
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.strategies.parallel_dims import check_parallel_layout
+
+    dims = ParallelDims(world_size=2, cp=2)
+    dims.validate_model(DeepseekV3Config(**V4))
+    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
+                                               r"experimental_attention_variant 'dsv4_hybrid' is not supported \("):
+        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims,
+                              DeepseekV3Config(**V4))
 
 
 def test_export_refuses_what_transformers_cannot_hold():

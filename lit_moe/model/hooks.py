@@ -60,6 +60,15 @@ class ModelHooks:
     exact mask rows of this rank's zig-zag positions (the indexer ranks each query against every key of
     the sequence)."""
 
+    whole_sequence: Optional[Callable[[torch.Tensor, torch.Tensor, Any],
+                                      tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = None
+    """``(this rank's hidden states [B, S, H], their positions [B, S], the attention's mask) -> (the
+    whole sequence's hidden states [B, S_k, H], their positions [B, S_k], the mask rows of this rank's
+    queries against them [B or 1, 1, S, S_k] or None: causal)``, for DeepSeek-V4's attention, whose
+    keys (sliding window, compressed windows) span the sequence (:mod:`lit_moe.model.v4_attention`).
+    None: the tokens are the whole sequence. Context parallel: all-gathered over the cp ranks into
+    sequence order (backward: each rank's gradient summed back to its tokens)."""
+
     breaks_graphs: Callable[[nn.Module], bool] = own_graph_breaks
     """``(module) -> whether a compiled function calling it would break its graph there`` (the
     ``torch_compile`` switch compiles a smaller function then, :mod:`lit_moe.model.compile`). Default:

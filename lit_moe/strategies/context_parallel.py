@@ -43,6 +43,10 @@ model, and only attention sees the other ranks' tokens.
   query's top-k is chosen among the keys its global position allows (:func:`indexer_keys`, the
   model's ``hooks.indexer_keys``), and the all-gather attention meets the selection's rows
   (``context_parallel_method: colossal`` only).
+* **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
+  chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
+  its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
+  with those rows of the sequence's mask (:func:`whole_sequence`, the model's ``hooks.whole_sequence``).
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
@@ -286,25 +290,45 @@ class ContextParallelAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# DeepSeek-V3.2's indexer: its keys over the whole sequence
+# the whole sequence for DeepSeek-V3.2's indexer and DeepSeek-V4's attention
 # ----------------------------------------------------------------------------------------------
+def _in_sequence_order(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, S, ...]`` of every rank's zig-zag chunks in rank order (rank r: chunks r, 2cp-1-r) → sequence order."""
+    order = _chunks_of((r, size) for r in range(size))
+    return _reorder(t, order, sorted(order), dim=1)
+
+
+def _gathered(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Every cp rank's ``t [B, S/cp, ...]`` (no autograd), in sequence order ``[B, S, ...]``."""
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    comm._all_gather_single(out, t.contiguous(), group)                       # [cp·B, S/cp, ...]
+    return _in_sequence_order(torch.cat(list(out.view(size, *t.shape).unbind(0)), dim=1), size)
+
+
+def _query_rows(masks: ShardMasks, rank: int, size: int, window_left: int) -> torch.Tensor:
+    """The exact mask rows of rank ``rank``'s queries (its two chunks, local order) against every key
+    of the sequence ``[B or 1, 1, S/cp, S]``: causal in global positions, window, documents."""
+    c, S = masks.chunk, masks.seq
+    return torch.cat([masks.mask(j * c, (j + 1) * c, S, window_left) for j in rank_chunks(size, rank)], dim=2)
+
+
 def indexer_keys(k: torch.Tensor, allowed: Any, window_left: int, shard: _Shard, group: dist.ProcessGroup
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's ``hooks.indexer_keys``: this rank's indexer keys ``[B, S/cp, D]`` (zig-zag order)
-    → every rank's, all-gathered and put in sequence order ``[B, S, D]``, with the allowed mask of
-    this rank's queries against them ``[B or 1, 1, S/cp, S]`` (its two chunks' exact rows of the
-    whole sequence's mask: causal in global positions, window, documents). Computed without
-    autograd, as the indexer's scores."""
+    """The model's ``hooks.indexer_keys`` (DeepSeek-V3.2): this rank's indexer keys ``[B, S/cp, D]``
+    → every rank's in sequence order ``[B, S, D]``, with this rank's query rows of the whole
+    sequence's mask. Computed without autograd, as the indexer's scores."""
     masks = allowed if isinstance(allowed, ShardMasks) else shard.current
-    size = shard.size
-    gathered = torch.empty((size * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
-    comm._all_gather_single(gathered, k.contiguous(), group)                  # [cp·B, S/cp, D]
-    order = _chunks_of((r, size) for r in range(size))                        # rank r: chunks r, 2cp-1-r
-    whole = _reorder(torch.cat(list(gathered.view(size, *k.shape).unbind(0)), dim=1), order, sorted(order), dim=1)
-    c, S = masks.chunk, masks.seq
-    rows = torch.cat([masks.mask(j * c, (j + 1) * c, S, window_left) for j in rank_chunks(size, shard.rank)],
-                     dim=2)
-    return whole, rows
+    return _gathered(k, group, shard.size), _query_rows(masks, shard.rank, shard.size, window_left)
+
+
+def whole_sequence(x: torch.Tensor, positions: torch.Tensor, allowed: Any, shard: _Shard,
+                   group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's ``hooks.whole_sequence`` (DeepSeek-V4's attention): this rank's hidden states
+    ``[B, S/cp, H]`` → the sequence's ``[B, S, H]`` (all-gathered, backward reduce-scatters the
+    partial gradients), their global positions, and this rank's query rows of the sequence's mask."""
+    masks = allowed if isinstance(allowed, ShardMasks) else shard.current
+    whole = _in_sequence_order(comm.all_gather(x, group, dim=1), shard.size)
+    return whole, _gathered(positions, group, shard.size), _query_rows(masks, shard.rank, shard.size, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +378,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
 
     for block in model.blocks():
         attn = block.self_attention
+        if not hasattr(attn, "core_attention"):   # DeepSeek-V4's attention: hooks.whole_sequence below
+            continue
         attn.core_attention = ContextParallelAttention(
             attn.core_attention, shard, rank, size, u, ulysses_group, ring_group,
             window if getattr(attn, "use_window", False) else -1, parallelism.context_parallel_async)
@@ -399,6 +425,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     hooks.shard_inputs = shard_inputs
     if getattr(config, "sparse_attention", False):
         hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
+    if getattr(config, "v4_attention", False):
+        hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",

@@ -176,11 +176,6 @@ class ParallelDims:
                     f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
                     "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
-        piece = _v4_piece(model_config)
-        if piece and C > 1:
-            raise ParallelismError(
-                f"parallelism.context_parallel: {C} with model.{piece} is not supported (DeepSeek-V4's pieces "
-                "run with data, FSDP, tensor, expert and pipeline parallelism only)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
@@ -493,11 +488,12 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
-        if degree > 1 and getattr(model_config, "sparse_attention", False):
+        variant = getattr(model_config, "experimental_attention_variant", None)
+        if degree > 1 and variant in ("dsa", "dsv4_hybrid"):
             raise ParallelismError(
                 f"parallelism.context_parallel_method: {p.context_parallel_method!r} with model."
-                "experimental_attention_variant 'dsa' is not supported (the indexer selects keys for this rank's "
-                "queries, which only 'colossal' keeps on their rank)")
+                f"experimental_attention_variant {variant!r} is not supported (its keys are gathered to this "
+                "rank's queries, which only 'colossal' keeps on their rank)")
     if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
@@ -514,14 +510,3 @@ def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float]
     dense_group = dims.dp_replicate * dims.fsdp
     expert_group = dims.dp_replicate * dims.efsdp
     return float(dense_group * dense_group), float(dims.dp_cp * expert_group)
-
-
-def _v4_piece(model_config: Any) -> Optional[str]:
-    """The first DeepSeek-V4 piece ``model_config`` uses (mHC, its attention, hash routing), as ``key: value``."""
-    for key, on in (("enable_hyper_connections", getattr(model_config, "enable_hyper_connections", False)),
-                    ("experimental_attention_variant",
-                     getattr(model_config, "experimental_attention_variant", None) == "dsv4_hybrid"),
-                    ("num_hash_layers", getattr(model_config, "num_hash_layers", 0))):
-        if on:
-            return f"{key} {getattr(model_config, key)!r}"
-    return None
