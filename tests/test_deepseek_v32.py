@@ -125,14 +125,18 @@ def test_refused_by_name(changes, message):
         DeepseekV3Config(**{**V32, **changes})
 
 
-def test_context_parallel_refused_and_predict_refused():
+def test_ulysses_context_parallel_refused_and_predict_refused():
+    from lit_moe.config import ParallelismConfig
     from lit_moe.tools.predict import check_model
-    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
+    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError, check_parallel_layout
 
     c = DeepseekV3Config(**V32)
-    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel: 2 with model\."
-                                               r"experimental_attention_variant 'dsa' is not supported yet"):
-        ParallelDims(world_size=2, cp=2).validate_model(c, SEQ)
+    dims = ParallelDims(world_size=2, cp=2)
+    dims.validate_model(c, SEQ)   # the all-gather method runs (v32_cp2_tp2 in test_step_layouts.py)
+    check_parallel_layout(ParallelismConfig(context_parallel=2), dims, c)
+    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
+                                               r"experimental_attention_variant 'dsa' is not supported \("):
+        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, c)
     with pytest.raises(ConfigError, match=r"^model\.experimental_attention_variant: 'dsa': predict has no"):
         check_model(c)
 

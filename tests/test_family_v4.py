@@ -123,6 +123,21 @@ def test_family_defaults_and_rules():
                        (dict(compress_ratios=[0, 4, 64, 4], layer_types=None), r"model\.compress_ratios: 64")):
         with pytest.raises(ConfigError, match=match):
             DeepseekV3Config(**{**V4, **bad})
+    # tensor parallel keeps whole head groups of the grouped output projection on a rank
+    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError
+
+    with pytest.raises(ParallelismError, match=r"^parallelism\.tensor_parallel: 4 must divide model\.o_groups 2 "):
+        ParallelDims(world_size=4, tp=4).validate_model(DeepseekV3Config(**V4))
+    # context parallel gathers the attention's keys to this rank's queries: the all-gather method only
+    from lit_moe.config import ParallelismConfig
+    from lit_moe.strategies.parallel_dims import check_parallel_layout
+
+    dims = ParallelDims(world_size=2, cp=2)
+    dims.validate_model(DeepseekV3Config(**V4))
+    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
+                                               r"experimental_attention_variant 'dsv4_hybrid' is not supported \("):
+        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims,
+                              DeepseekV3Config(**V4))
 
 
 def test_export_refuses_what_transformers_cannot_hold():
@@ -164,13 +179,15 @@ def test_mindformers_deepseek4_config_refuses_its_layout_then_trains_in_one_proc
     cfg, original = mindformers_v4(tmp_path, steps=3)
     one_process = dict(data_parallel_shard=1, expert_parallel=1, tensor_parallel=1, pipeline_parallel=1,
                        pipeline_parallel_interleave_num=1)
-    # as written, what cannot work is refused in one line naming it: its layout (tp2, pp2 with mHC) ...
+    # as written, what cannot work is refused in one line naming it: its recompute keys name paths inside a
+    # layer with a "layers.*." prefix, which lit_moe's paths do not have
     assert main(["plan", "--config", str(write_config(tmp_path, original, "as_written.yaml")), "-n", "8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("parallelism.tensor_parallel: 2 with model.enable_hyper_connections True is not supported "
-                        "(DeepSeek-V4's pieces run with data, FSDP and expert parallelism only)") and "\n" not in err
-    # its recompute keys name paths inside a layer with a "layers.*." prefix, which lit_moe's paths do not
-    # have (on 8 ranks: one line, "'layers.*.self_attention.*' matches no module"); here the paths themselves
+    assert "recompute.select_module: 'layers.*.self_attention.*' matches no module" in err and "\n" not in err
+    # with the paths themselves its layout plans: tp2 · pp2 (interleaved, mHC streams between stages) · dp2 · ep2
+    original["recompute"]["select_module"] = {"self_attention.*": ["0-3"], "mlp.*": ["0-3"]}
+    assert main(["plan", "--config", str(write_config(tmp_path, original, "as_written.yaml")), "-n", "8"]) == 0
+    assert "pipeline rank 1: stages [1, 3]" in capsys.readouterr().out
     cfg["recompute"]["select_module"] = {"self_attention.*": ["0-3"], "mlp.*": ["0-3"]}
     # the model means what MindFormers makes of it: MLA attention, 4 mHC streams averaged at the end,
     # 3 hash-routed layers, sigmoid scores with expert bias, SwiGLU clamp 10 (its DeepseekV4Config default)

@@ -119,13 +119,26 @@ def test_too_few_microbatches_names_global_batch_size():
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------
 def _layout(world, pp, *, schedule="1f1b", v=1, ranges="auto", shard=-1, tp=1, ep=1, mtp=0, recompute=False,
-            cp=1, method="colossal", u=None, docs=False, compile=False, strategy="optim_grads_params"):
+            cp=1, method="colossal", u=None, docs=False, compile=False, strategy="optim_grads_params",
+            family="deepseek_v3"):
     return dict(world=world, pp=pp, schedule=schedule, v=v, ranges=ranges, shard=shard, tp=tp, ep=ep, mtp=mtp,
-                recompute=recompute, cp=cp, method=method, u=u, docs=docs, compile=compile, strategy=strategy)
+                recompute=recompute, cp=cp, method=method, u=u, docs=docs, compile=compile, strategy=strategy,
+                family=family)
+
+
+# DeepSeek-V4 (its attention: sliding, CSA with indexer, HCA; two mHC streams; a hash-routed first layer)
+V4_SECTION = dict(model_type="deepseek_v4", head_dim=16, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=16,
+                  index_n_heads=2, index_head_dim=16, index_topk=2, sliding_window=4, hc_mult=2, num_hash_layers=1,
+                  n_group=1, topk_group=1, first_k_dense_replace=0, swiglu_limit=1.0,
+                  layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                               "compressed_sparse_attention"],
+                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
 
 
 LAYOUTS = {
-    "pp2_1f1b": _layout(2, 2),
+    # 1F1B on DeepSeek-V4: the stage boundary carries the mHC residual streams [B, S, n, H], hc_head
+    # on the last stage
+    "pp2_v4": _layout(2, 2, family="deepseek_v4"),
     "pp2_gpipe_uneven": _layout(2, 2, schedule="gpipe", ranges=["0-2", "3-3"]),
     "pp2_interleaved2": _layout(2, 2, v=2, mtp=1),
     "pp2_mtp": _layout(2, 2, mtp=1),
@@ -172,7 +185,18 @@ def document_inputs(rows: slice) -> dict:
     return {"actual_seq_len": torch.tensor(ends), "position_ids": torch.stack(positions)}
 
 
-def model_section(mtp: int) -> dict:
+def adam_eps(family: str) -> float:
+    # DeepSeek-V4: the first layer's mHC stream mixing sees n copies of one embedding, so some of its
+    # gradient elements are rounding noise (~1e-9); AdamW's eps 1e-8 would turn them into full-size
+    # updates (as in test_step_layouts)
+    return 1e-6 if family == "deepseek_v4" else 1e-8
+
+
+def model_section(mtp: int, family: str = "deepseek_v3") -> dict:
+    return {**_v3_section(mtp), **(V4_SECTION if family == "deepseek_v4" else {})}
+
+
+def _v3_section(mtp: int) -> dict:
     return dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=LAYERS, first_k_dense_replace=1, num_attention_heads=4,
@@ -211,16 +235,16 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(mtp: int, docs: bool = False) -> dict:
+def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict:
     """One process, no parallelism: 4 micro-batches of one sample per step."""
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies.clip import clip_grads_with_norm_, global_grad_norm
 
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp)))
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp, family)))
     model.to_empty(device="cpu")
     model.init_weights(7)
-    opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, eps=adam_eps(family), foreach=False)
     data = batches()
     out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
     for step in range(STEPS):
@@ -298,7 +322,7 @@ def run_layout(name: str, out_dir: Path) -> None:
     dims = ParallelDims(spec["world"], dp_shard=spec["shard"], tp=spec["tp"], pp=spec["pp"], ep=spec["ep"],
                         cp=spec["cp"])
     dims.build_meshes("cpu")
-    cfg = DeepseekV3Config(**model_section(spec["mtp"]), torch_compile=spec["compile"])
+    cfg = DeepseekV3Config(**model_section(spec["mtp"], spec["family"]), torch_compile=spec["compile"])
     if spec["compile"]:
         from test_step_layouts import use_aot_eager_backend
 
@@ -326,7 +350,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     A = GLOBAL_BATCH // dims.dp
     runner = PipelineRunner(container, parts, layout, pp_mesh.get_group(), torch.device("cpu"), A,
                             micro_batch=(1, SEQ), seq_divisor=dims.tp * dims.cp, embedding_group=egroup)
-    opt = torch.optim.AdamW(list(container.parameters()), lr=3e-3, weight_decay=0.01, foreach=False)
+    opt = torch.optim.AdamW(list(container.parameters()), lr=3e-3, weight_decay=0.01, eps=adam_eps(spec["family"]),
+                            foreach=False)
     dup = embedding_duplicates(container, layout, spec["mtp"] > 0)
     dp_rank = dims.mesh("dp").get_local_rank()
     # the ranks whose losses and expert counts make the step's: data and context parallel (each cp
@@ -406,7 +431,7 @@ def runs(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def references(request):
-    return {key: reference(*key) for key in sorted({(LAYOUTS[n]["mtp"], LAYOUTS[n]["docs"])
+    return {key: reference(*key) for key in sorted({(LAYOUTS[n]["mtp"], LAYOUTS[n]["docs"], LAYOUTS[n]["family"])
                                                     for n in selected_layouts(request, LAYOUTS)})}
 
 
@@ -426,7 +451,7 @@ def _rel_each(a, b) -> float:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(name, runs, references):
     spec = LAYOUTS[name]
-    ref = references[(spec["mtp"], spec["docs"])]
+    ref = references[(spec["mtp"], spec["docs"], spec["family"])]
     rtol = RTOL_CP if spec["cp"] > 1 else RTOL
     results = [torch.load(runs / f"{name}.rank{r}.pt") for r in range(spec["world"])]
     seen_params: set[str] = set()
@@ -445,11 +470,13 @@ def test_layout_matches_one_process(name, runs, references):
                 seen_bias.add(layer)
         for pname, value in res["params"].items():
             # norm-relative per parameter: AdamW turns rounding noise of near-zero gradients (tensor and
-            # expert parallel sum in another order) into full-size steps of single elements
+            # expert parallel sum in another order) into full-size steps of single elements; DeepSeek-V4
+            # (pp2_v4): measured worst 1.3e-5 (layer 0's attention sinks, which start at 0), 3.9e-6 the
+            # embedding, while its losses and gradient norms agree within 1.6e-7
             want = ref["params"][pname].double()
             err = float((value.double() - want).norm() / want.norm().clamp_min(1e-12))
-            assert err < (RTOL if spec["tp"] == spec["ep"] == spec["cp"] == 1 else PARAM_RTOL_REORDERED), \
-                (name, r, pname, err)
+            plain = spec["tp"] == spec["ep"] == spec["cp"] == 1 and spec["family"] == "deepseek_v3"
+            assert err < (RTOL if plain else PARAM_RTOL_REORDERED), (name, r, pname, err)
             seen_params.add(pname)
         if spec["strategy"] == "optim":   # A = 2, yet one gather and one reduction per FSDP unit per step
             counts = out["collectives"]   # (zbv: one unit of the V's first rank makes none)

@@ -52,6 +52,23 @@ class ModelHooks:
     balancing loss (:func:`lit_moe.model.moe.load_balancing_loss`). None: this rank's tokens are whole
     sequences. Context parallel: summed over the cp ranks."""
 
+    indexer_keys: Optional[Callable[[torch.Tensor, Any, int], tuple[torch.Tensor, torch.Tensor]]] = None
+    """``(this rank's indexer keys [B, S, D], the attention's mask, the layer's window (-1: none)) ->
+    (the keys each query picks from [B, S_k, D], the allowed mask of this rank's queries against them
+    [B or 1, 1, S, S_k])``, for DeepSeek-V3.2's indexer (:mod:`lit_moe.model.indexer`). None: the keys
+    and mask as given. Context parallel: every cp rank's keys all-gathered into sequence order, and the
+    exact mask rows of this rank's zig-zag positions (the indexer ranks each query against every key of
+    the sequence)."""
+
+    whole_sequence: Optional[Callable[[torch.Tensor, torch.Tensor, Any],
+                                      tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = None
+    """``(this rank's hidden states [B, S, H], their positions [B, S], the attention's mask) -> (the
+    whole sequence's hidden states [B, S_k, H], their positions [B, S_k], the mask rows of this rank's
+    queries against them [B or 1, 1, S, S_k] or None: causal)``, for DeepSeek-V4's attention, whose
+    keys (sliding window, compressed windows) span the sequence (:mod:`lit_moe.model.v4_attention`).
+    None: the tokens are the whole sequence. Context parallel: all-gathered over the cp ranks into
+    sequence order (backward: each rank's gradient summed back to its tokens)."""
+
     breaks_graphs: Callable[[nn.Module], bool] = own_graph_breaks
     """``(module) -> whether a compiled function calling it would break its graph there`` (the
     ``torch_compile`` switch compiles a smaller function then, :mod:`lit_moe.model.compile`). Default:

@@ -22,12 +22,13 @@ keeps the indexer's weights as loaded (``docs/families.md``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_moe.model.hooks import ModelHooks
 from lit_moe.ops import LayerNorm, Linear, apply_rotary_half
 
 INDEX_KEY_NORM_EPS = 1e-6   # DeepSeek-V3.2's indexer key LayerNorm (fixed there, not rms_norm_eps)
@@ -49,33 +50,50 @@ class LightningIndexer(nn.Module):
         self.wk = Linear(c.hidden_size, self.head_dim, dtype=dtype)
         self.k_norm = LayerNorm(self.head_dim, INDEX_KEY_NORM_EPS, c.torch_dtype("layernorm_compute_dtype"), dtype=dtype)
         self.weights_proj = Linear(c.hidden_size, self.n_heads, dtype=dtype)
+        # the sliding window of this layer's attention (-1: none), which the keys' mask rows follow
+        self.window_left = int(c.window_size[0]) if c.uses_window(layer_idx) else -1
+        self.hooks = ModelHooks()   # the model's (context parallel gathers the keys)
+
+    @torch.no_grad()
+    def keys(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
+        """One key per token ``[B, S, D]``, rotated at the tokens' positions."""
+        k = self.k_norm(self.wk(x))
+        if self.use_rope:   # cos/sin [B, S, rope_dim/2]: the leading rope_dim dims turn, the rest pass
+            k = apply_rotary_half(k, cos, sin, self.use_fused_rope)
+        return k
 
     @torch.no_grad()
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
-               sin: Optional[torch.Tensor]) -> torch.Tensor:
-        """Index scores ``[B, S, S]`` (fp32) of every query (rows) against every key (columns)."""
+               sin: Optional[torch.Tensor], k: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Index scores ``[B, S, S_k]`` (fp32) of every query (rows) against every key ``k`` (columns;
+        default: the keys of ``x``)."""
         B, S, _ = x.shape
         q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))                                        # [B, S, D]: one key per token
-        if self.use_rope:   # cos/sin [B, S, rope_dim/2]: the leading rope_dim dims turn, the rest pass
+        if k is None:
+            k = self.keys(x, cos, sin)
+        if self.use_rope:
             q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], self.use_fused_rope)
-            k = apply_rotary_half(k, cos, sin, self.use_fused_rope)
-        q, k_t = q.float(), k.float().transpose(1, 2)                          # [B, S, heads, D], [B, D, S]
+        q, k_t = q.float(), k.float().transpose(1, 2)                          # [B, S, heads, D], [B, D, S_k]
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5       # [B, S, heads]
-        # one head at a time: [B, S, S] at most besides the result (all heads at once would be heads x that)
-        out = torch.zeros(B, S, S, dtype=torch.float32, device=x.device)
+        # one head at a time: [B, S, S_k] at most besides the result (all heads at once would be heads x that)
+        out = torch.zeros(B, S, k_t.shape[-1], dtype=torch.float32, device=x.device)
         for h in range(self.n_heads):
             out += weights[:, :, h, None] * F.relu(torch.bmm(q[:, :, h], k_t) * self.scale)
         return out
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
-                sin: Optional[torch.Tensor], allowed: Optional[torch.Tensor]) -> torch.Tensor:
-        """``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each query's top-k keys."""
+                sin: Optional[torch.Tensor], allowed: Any) -> torch.Tensor:
+        """``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each query's top-k keys.
+        With ``hooks.indexer_keys`` (context parallel) the keys are the whole sequence's and the
+        result ``[B or 1, 1, S, S_k]`` has a column per key of the whole sequence."""
         B, S, _ = x.shape
-        if allowed is None:
+        k = self.keys(x, cos, sin)
+        if self.hooks.indexer_keys is not None:
+            k, allowed = self.hooks.indexer_keys(k, allowed, self.window_left)
+        elif allowed is None:
             allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
-        scores = self.scores(x, q_latent, cos, sin).masked_fill(~allowed[:, 0], float("-inf"))
-        chosen = scores.topk(min(self.topk, S), dim=-1).indices                 # [B, S, k] key positions
-        selected = torch.zeros(B, S, S, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
+        scores = self.scores(x, q_latent, cos, sin, k).masked_fill(~allowed[:, 0], float("-inf"))
+        chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
+        selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
         return allowed & selected[:, None]

@@ -84,8 +84,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
         self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
         self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
-        for part in (*self.blocks(), *self.moe_layers()):
-            part.hooks = self.hooks
+        for part in self.modules():   # every part with hooks (blocks, MoE layers, indexers) shares the model's
+            if isinstance(getattr(part, "hooks", None), ModelHooks):
+                part.hooks = self.hooks
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights(torch.initial_seed())
@@ -155,19 +156,25 @@ class DeepseekV3ForCausalLM(nn.Module):
             h = h + self.position_embeddings(position_ids)
         return F.dropout(h.to(self.compute_dtype), self.config.hidden_dropout, self.training)
 
+    def streams_in(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual the decoder layers carry: ``h [B, S, H]`` itself, or with mHC its
+        ``hc_mult`` copies ``[B, S, n, H]`` (what a pipeline stage boundary then carries too)."""
+        return expand_streams(h, self.config.hc_mult) if self.config.enable_hyper_connections else h
+
+    def streams_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual after the last layer back to ``[B, S, H]`` (mHC: ``hc_head``'s collapse)."""
+        return self.hc_head(h) if self.hc_head is not None else h
+
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 actual_seq_len: Optional[torch.Tensor] = None) -> CausalLMOutput:
         input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
             input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
-        h = self.embed(input_ids, position_ids)
-        if self.hc_head is not None:
-            h = expand_streams(h, self.config.hc_mult)
+        h = self.streams_in(self.embed(input_ids, position_ids))
         for layer in self.layers:
             h = layer(h, ctx)
-        if self.hc_head is not None:
-            h = self.hc_head(h)
+        h = self.streams_out(h)
         mask = None
         if labels is not None:
             mask = labels != -100

@@ -35,6 +35,7 @@ from torch import nn
 
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.config import DeepseekV3Config
+from lit_moe.model.hooks import ModelHooks
 from lit_moe.ops import Linear, RMSNorm
 
 
@@ -130,10 +131,12 @@ class Indexer(nn.Module):
         self.rope_dim = config.v4_rope_dim
         self.theta = config.compress_rope_theta
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The allowed mask ``[B, S, W]`` over the compressed entries: the chosen ones that are visible."""
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, position_ids: torch.Tensor,
+                keys_x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The allowed mask ``[B, S, W]`` over the compressed entries: the chosen ones that are visible.
+        ``keys_x``: the hidden states the entries pool (default ``x``; context parallel: the whole sequence's)."""
         B, S, _ = x.shape
-        keys = self.compressor(x).float()                                           # [B, W, d_I]
+        keys = self.compressor(x if keys_x is None else keys_x).float()              # [B, W, d_I]
         q = self.q_b_proj(q_latent).view(B, S, self.heads, self.dim)
         cos, sin = rotary_angles(position_ids, self.rope_dim, self.theta)
         q = rotate_trailing(q, cos[:, :, None], sin[:, :, None]).float()
@@ -150,6 +153,17 @@ class Indexer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # the attention
 # ----------------------------------------------------------------------------------------------
+class GroupedLinear(Linear):
+    """The block-diagonal output projection ``o_a_proj``: ``[B, S, g, in]`` → ``[B, S, g * rank]``,
+    group g through its own rows ``[g*rank, (g+1)*rank)``. The group count is read from the input, so
+    a tensor-parallel rank holding whole groups (its heads, their rows) runs the same code."""
+
+    def forward(self, grouped: torch.Tensor) -> torch.Tensor:
+        groups = grouped.shape[-2]
+        w = self.weight.to(grouped.dtype).view(groups, -1, grouped.shape[-1])        # [g, rank, in]
+        return torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2)
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
                    scale: float, dropout: float, training: bool) -> torch.Tensor:
     """softmax over [q·k * scale (masked) | sink_h] without the sink's column, times k (k = v).
@@ -185,9 +199,10 @@ class V4Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, ln, dtype=dtype)
         group_in = self.heads * self.head_dim // self.groups
         # block-diagonal: group g maps its heads' [group_in] to rows [g*rank, (g+1)*rank)
-        self.o_a_proj = Linear(group_in, self.groups * c.o_lora_rank, dtype=dtype)
+        self.o_a_proj = GroupedLinear(group_in, self.groups * c.o_lora_rank, dtype=dtype)
         self.o_b_proj = Linear(self.groups * c.o_lora_rank, c.hidden_size, dtype=dtype)
         self.sinks = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
+        self.hooks = ModelHooks()   # the model's (context parallel hands over the whole sequence's keys)
         # compressed layers: the pooled keys; CSA also its indexer (HCA attends to every visible entry)
         self.compressor = self.indexer = None
         if self.layer_type != "sliding_attention":
@@ -205,14 +220,20 @@ class V4Attention(nn.Module):
         position_ids = ctx.position_ids
         cos, sin = rotary_angles(position_ids, self.rope_dim, self.theta)            # [B, S, r/2]
         q_latent = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_head_norm(self.q_b_proj(q_latent).view(B, S, self.heads, self.head_dim), self.eps)
+        # heads counted from q: a tensor-parallel rank holds its own (q_b_proj's rows, sinks, o_a_proj's groups)
+        q = unweighted_head_norm(self.q_b_proj(q_latent).view(B, S, -1, self.head_dim), self.eps)
         q = rotate_trailing(q, cos[:, :, None], sin[:, :, None])
-        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)                # [B, S, d]
-        allowed = self._local_mask(position_ids, ctx.full_mask)
+        # the keys (window, compressed entries) come from the whole sequence (context parallel: gathered)
+        keys_x, key_positions, mask = x, position_ids, ctx.full_mask
+        if self.hooks.whole_sequence is not None:
+            keys_x, key_positions, mask = self.hooks.whole_sequence(x, position_ids, ctx.full_mask)
+        key_cos, key_sin = rotary_angles(key_positions, self.rope_dim, self.theta)
+        kv = rotate_trailing(self.kv_norm(self.kv_proj(keys_x)), key_cos, key_sin)  # [B, S_k, d]
+        allowed = self._local_mask(position_ids, key_positions, mask)
         if self.compressor is not None:
-            entries = self.compressor(x)
+            entries = self.compressor(keys_x)
             if self.indexer is not None:
-                entry_mask = self.indexer(x, q_latent, position_ids)
+                entry_mask = self.indexer(x, q_latent, position_ids, keys_x)
             else:
                 entry_mask = visible_entries(position_ids, entries.shape[1], self.rate)
             kv = torch.cat([kv, entries.to(kv.dtype)], dim=1)
@@ -220,17 +241,13 @@ class V4Attention(nn.Module):
         out = sink_attention(q.transpose(1, 2), kv, allowed, self.sinks, self.scale,
                              self.attention_dropout, self.training).transpose(1, 2)      # [B, S, h, d]
         out = rotate_trailing(out, cos[:, :, None], -sin[:, :, None])
-        return self.o_b_proj(self._grouped_o_a(out.reshape(B, S, self.groups, -1)))
+        return self.o_b_proj(self.o_a_proj(out.reshape(B, S, -1, self.o_a_proj.in_features)))
 
-    def _local_mask(self, position_ids: torch.Tensor, full_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[B, S, S]``: causal within the last ``sliding_window`` positions (and the model's mask)."""
-        q, k = position_ids[:, :, None], position_ids[:, None, :]
+    def _local_mask(self, position_ids: torch.Tensor, key_positions: torch.Tensor,
+                    full_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[B, S, S_k]``: causal within the last ``sliding_window`` positions (and the model's mask)."""
+        q, k = position_ids[:, :, None], key_positions[:, None, :]
         allowed = (k <= q) & (q - k < self.window)
         if full_mask is not None:
             allowed = allowed & full_mask[:, 0]
         return allowed
-
-    def _grouped_o_a(self, grouped: torch.Tensor) -> torch.Tensor:
-        """``[B, S, g, group_in]`` → ``[B, S, g * o_lora_rank]``, group g through its own rows of o_a_proj."""
-        w = self.o_a_proj.weight.to(grouped.dtype).view(self.groups, -1, grouped.shape[-1])   # [g, rank, in]
-        return torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2)

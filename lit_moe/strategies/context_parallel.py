@@ -38,6 +38,15 @@ model, and only attention sees the other ranks' tokens.
   ``cp · sum_c / count_total`` (the count summed over cp): the mean over the cp ranks (what
   data-parallel gradient averaging and loss logging compute) is then exactly the sequence's mean,
   and every gradient is the single-process one. This holds for every MTP depth too.
+* **DeepSeek-V3.2's indexer** ranks each query against every key of the sequence: its keys (one
+  per token, ``index_head_dim`` wide) are all-gathered over cp and put in sequence order, each
+  query's top-k is chosen among the keys its global position allows (:func:`indexer_keys`, the
+  model's ``hooks.indexer_keys``), and the all-gather attention meets the selection's rows
+  (``context_parallel_method: colossal`` only).
+* **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
+  chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
+  its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
+  with those rows of the sequence's mask (:func:`whole_sequence`, the model's ``hooks.whole_sequence``).
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
@@ -190,20 +199,25 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         # ``allowed``: this forward's ShardMasks (pipeline stages put them in the attention
-        # context), else the model's mask of the local tokens only, and the masks are the shard's
-        # latest; the exact rows of the whole sequence are built here
+        # context), else the masks are the shard's latest; the exact rows of the whole sequence are
+        # built here. A tensor: DeepSeek-V3.2's indexer selection, this rank's queries (local order)
+        # against every key of the sequence ([B or 1, 1, S/cp, S], :func:`indexer_keys`), the mask
+        # rows themselves (all-gather only: refused with ulysses)
         masks = allowed if isinstance(allowed, ShardMasks) else self.shard.current
+        selected = allowed if isinstance(allowed, torch.Tensor) else None
         if self.asynchronous:
             return self._forward_async(q, k, v, masks)
         if self.u > 1:
             q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
-        out = self._attend(q, k, v, masks)
+        out = self._attend(q, k, v, masks, selected)
         if self.u > 1:
             out = self.all_to_all(out, scatter_dim=2, gather_dim=1)
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks) -> torch.Tensor:
-        """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks,
+                selected: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks;
+        ``selected``: the allowed keys of each query (the indexer's, module docstring)."""
         if self.groups > 1:
             k, v = self.all_gather(k), self.all_gather(v)
         k = _reorder(k, self.key_chunks, self.sorted_keys)
@@ -219,7 +233,9 @@ class ContextParallelAttention(nn.Module):
         for i, j in enumerate(self.query_chunks):
             lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
             q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
-            if masks.plain(self.window_left) and self._block_causal(q_j):
+            if selected is not None:   # its rows already hold the causal (window, document) rules
+                outs.append(self.inner(q_j, k_j, v_j, selected[:, :, i * c:(i + 1) * c, :hi]))
+            elif masks.plain(self.window_left) and self._block_causal(q_j):
                 # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
                 outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
             else:
@@ -274,6 +290,48 @@ class ContextParallelAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# the whole sequence for DeepSeek-V3.2's indexer and DeepSeek-V4's attention
+# ----------------------------------------------------------------------------------------------
+def _in_sequence_order(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, S, ...]`` of every rank's zig-zag chunks in rank order (rank r: chunks r, 2cp-1-r) → sequence order."""
+    order = _chunks_of((r, size) for r in range(size))
+    return _reorder(t, order, sorted(order), dim=1)
+
+
+def _gathered(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Every cp rank's ``t [B, S/cp, ...]`` (no autograd), in sequence order ``[B, S, ...]``."""
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    comm._all_gather_single(out, t.contiguous(), group)                       # [cp·B, S/cp, ...]
+    return _in_sequence_order(torch.cat(list(out.view(size, *t.shape).unbind(0)), dim=1), size)
+
+
+def _query_rows(masks: ShardMasks, rank: int, size: int, window_left: int) -> torch.Tensor:
+    """The exact mask rows of rank ``rank``'s queries (its two chunks, local order) against every key
+    of the sequence ``[B or 1, 1, S/cp, S]``: causal in global positions, window, documents."""
+    c, S = masks.chunk, masks.seq
+    return torch.cat([masks.mask(j * c, (j + 1) * c, S, window_left) for j in rank_chunks(size, rank)], dim=2)
+
+
+def indexer_keys(k: torch.Tensor, allowed: Any, window_left: int, shard: _Shard, group: dist.ProcessGroup
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's ``hooks.indexer_keys`` (DeepSeek-V3.2): this rank's indexer keys ``[B, S/cp, D]``
+    → every rank's in sequence order ``[B, S, D]``, with this rank's query rows of the whole
+    sequence's mask. Computed without autograd, as the indexer's scores."""
+    masks = allowed if isinstance(allowed, ShardMasks) else shard.current
+    return _gathered(k, group, shard.size), _query_rows(masks, shard.rank, shard.size, window_left)
+
+
+def whole_sequence(x: torch.Tensor, positions: torch.Tensor, allowed: Any, shard: _Shard,
+                   group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's ``hooks.whole_sequence`` (DeepSeek-V4's attention): this rank's hidden states
+    ``[B, S/cp, H]`` → the sequence's ``[B, S, H]`` (all-gathered, backward reduce-scatters the
+    partial gradients), their global positions, and this rank's query rows of the sequence's mask."""
+    masks = allowed if isinstance(allowed, ShardMasks) else shard.current
+    whole = _in_sequence_order(comm.all_gather(x, group, dim=1), shard.size)
+    return whole, _gathered(positions, group, shard.size), _query_rows(masks, shard.rank, shard.size, -1)
+
+
+# ----------------------------------------------------------------------------------------------
 # MTP boundary tokens, loss share, MoE statistics
 # ----------------------------------------------------------------------------------------------
 def boundary_shift(x: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> torch.Tensor:
@@ -320,6 +378,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
 
     for block in model.blocks():
         attn = block.self_attention
+        if not hasattr(attn, "core_attention"):   # DeepSeek-V4's attention: hooks.whole_sequence below
+            continue
         attn.core_attention = ContextParallelAttention(
             attn.core_attention, shard, rank, size, u, ulysses_group, ring_group,
             window if getattr(attn, "use_window", False) else -1, parallelism.context_parallel_async)
@@ -363,6 +423,10 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     hooks.loss_share = share
     hooks.shift_left = functools.partial(boundary_shift, group=group, cp=size, rank=rank)
     hooks.shard_inputs = shard_inputs
+    if getattr(config, "sparse_attention", False):
+        hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
+    if getattr(config, "v4_attention", False):
+        hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",

@@ -138,6 +138,11 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} must divide model.num_attention_heads {heads} "
                 "(tensor parallel shards attention heads)")
+        groups = getattr(model_config, "o_groups", None)
+        if T > 1 and getattr(model_config, "v4_attention", False) and groups % T:
+            raise ParallelismError(
+                f"parallelism.tensor_parallel: {T} must divide model.o_groups {groups} (DeepSeek-V4's grouped "
+                "output projection; tensor parallel keeps whole head groups on a rank)")
         if T > 1 and getattr(model_config, "multi_latent_attention", True) is False and model_config.kv_heads % T:
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} must divide the key/value heads of grouped-query attention "
@@ -171,17 +176,6 @@ class ParallelDims:
                     f"context_parallel({C}) * tensor_parallel({T}) = {chunks * T} (the sequence is split "
                     "into 2·cp zig-zag chunks, two per context-parallel rank, each rank's tokens "
                     "sequence-parallel over tp)")
-        if C > 1 and getattr(model_config, "sparse_attention", False):
-            raise ParallelismError(
-                f"parallelism.context_parallel: {C} with model.experimental_attention_variant 'dsa' is not supported "
-                "yet (the indexer scores each query against every key of the sequence; its keys are not gathered "
-                "over the context-parallel ranks)")
-        piece = _v4_piece(model_config)
-        for key, degree in (("tensor_parallel", T), ("context_parallel", C), ("pipeline_parallel", self.pp)):
-            if piece and degree > 1:
-                raise ParallelismError(
-                    f"parallelism.{key}: {degree} with model.{piece} is not supported (DeepSeek-V4's pieces "
-                    "run with data, FSDP and expert parallelism only)")
         if T > 1 and getattr(model_config, "position_embedding_type", None) == "learned_absolute":
             raise ParallelismError(
                 f"parallelism.tensor_parallel: {T} with model.position_embedding_type 'learned_absolute' is not "
@@ -494,6 +488,12 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
+        variant = getattr(model_config, "experimental_attention_variant", None)
+        if degree > 1 and variant in ("dsa", "dsv4_hybrid"):
+            raise ParallelismError(
+                f"parallelism.context_parallel_method: {p.context_parallel_method!r} with model."
+                f"experimental_attention_variant {variant!r} is not supported (its keys are gathered to this "
+                "rank's queries, which only 'colossal' keeps on their rank)")
     if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
@@ -510,14 +510,3 @@ def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float]
     dense_group = dims.dp_replicate * dims.fsdp
     expert_group = dims.dp_replicate * dims.efsdp
     return float(dense_group * dense_group), float(dims.dp_cp * expert_group)
-
-
-def _v4_piece(model_config: Any) -> Optional[str]:
-    """The first DeepSeek-V4 piece ``model_config`` uses (mHC, its attention, hash routing), as ``key: value``."""
-    for key, on in (("enable_hyper_connections", getattr(model_config, "enable_hyper_connections", False)),
-                    ("experimental_attention_variant",
-                     getattr(model_config, "experimental_attention_variant", None) == "dsv4_hybrid"),
-                    ("num_hash_layers", getattr(model_config, "num_hash_layers", 0))):
-        if on:
-            return f"{key} {getattr(model_config, key)!r}"
-    return None

@@ -17,7 +17,8 @@ forward paired with another's backward, split backwards at the ends) are an exte
 
 Stage s holds decoder layers ``ranges[s]`` (their global indices kept: parameter names, layer ids
 of recompute and checkpoints are those of the whole model); the first stage also holds the
-embedding, the last the final norm, head and the MTP layers. MTP needs the embedding on the last
+embedding, the last the final norm, head and the MTP layers (and DeepSeek-V4's ``hc_head``: with mHC
+the stages pass the residual streams ``[B, S, hc_mult, H]``). MTP needs the embedding on the last
 stage too: it holds a copy whose gradient is summed with the first stage's after every step
 (Megatron's embedding group), so both copies take identical optimizer steps.
 
@@ -242,6 +243,7 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         self.embed_tokens = model.embed_tokens if (self.is_first or mtp) else None
         self.position_embeddings = model.position_embeddings if (self.is_first or mtp) else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_ids})
+        self.hc_head = model.hc_head if self.is_last else None   # mHC: the streams' collapse (or None)
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.mtp = model.mtp if self.is_last else nn.ModuleList()
@@ -268,7 +270,7 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         # embeds them (``x`` is the same token ids there)
         input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
             input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
-        h = self.embed(input_ids, position_ids) if self.is_first else x
+        h = self.streams_in(self.embed(input_ids, position_ids)) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, ctx)
         self._collect_moe_aux(self._main_moe)
@@ -280,6 +282,7 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
             return h
         if labels is None:
             raise ValueError("the last pipeline stage needs labels")
+        h = self.streams_out(h)
         mask = labels != -100
         if loss_mask is not None:
             mask = mask & (loss_mask != 0)
@@ -451,6 +454,13 @@ def plan_stages(layout: PipelineLayout, local_bytes: dict[str, int], num_layers:
 # ----------------------------------------------------------------------------------------------
 # running a step
 # ----------------------------------------------------------------------------------------------
+def stage_hidden_shape(config: Any, rows: int, seq: int, seq_divisor: int) -> tuple[int, ...]:
+    """What a stage boundary carries: ``[rows, seq / seq_divisor, hidden]``, or with mHC
+    (``enable_hyper_connections``) the residual streams ``[rows, seq / seq_divisor, hc_mult, hidden]``."""
+    streams = (config.hc_mult,) if getattr(config, "enable_hyper_connections", False) else ()
+    return (rows, seq // seq_divisor, *streams, config.hidden_size)
+
+
 def _schedule_class(name: str):
     from torch.distributed import pipelining as pl
 
@@ -492,7 +502,7 @@ class PipelineRunner:
         b, S = micro_batch
         cfg = container.config
         meta = torch.device("meta")
-        hidden = torch.empty(b, S // seq_divisor, cfg.hidden_size, dtype=container.compute_dtype,
+        hidden = torch.empty(stage_hidden_shape(cfg, b, S, seq_divisor), dtype=container.compute_dtype,
                              device=meta, requires_grad=True)
         ids = torch.empty(b, S, dtype=torch.long, device=meta)
         losses = torch.empty(3, dtype=torch.float32, device=meta, requires_grad=True)
@@ -730,7 +740,7 @@ def forward_only(parts: list[DeepseekV3Stage], layout: PipelineLayout, pp_group,
                     x = handed.pop((s, k))
                 else:
                     b, S = batch["input_ids"].shape
-                    x = torch.empty(b, S // seq_divisor, part.config.hidden_size, dtype=part.compute_dtype,
+                    x = torch.empty(stage_hidden_shape(part.config, b, S, seq_divisor), dtype=part.compute_dtype,
                                     device=device)
                     dist.recv(x, group=pp_group, group_src=layout.rank_of(s - 1), tag=s)
                 out = part(x, **batch)

@@ -7,6 +7,10 @@ reduce-scatters its partial output on exit:
 
 * MLA: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` are column-parallel (heads split), ``o_proj``
   row-parallel; the low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms are replicated.
+  DeepSeek-V4's attention: ``q_b_proj``, the grouped ``o_a_proj`` (whole head groups per rank) and the
+  per-head ``sinks`` split by heads, ``o_b_proj`` row-parallel; its one key/value head, compressors
+  and indexer are replicated. Its mHC hyper-connections mix the streams of each token: they run on
+  the sequence shard with replicated weights, like the norms.
   Grouped-query attention: ``q_proj``/``k_proj``/``v_proj`` (and their biases) column-parallel, each
   rank keeping whole key/value heads with their query groups; the per-head q/k norms are replicated.
 * dense MLP and shared experts: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
@@ -111,11 +115,28 @@ def _sequence_parallel_block(block: nn.Module, group, sequence_parallel: bool = 
     around_forward(block, before, after)
 
 
+# Per attention kind, the linears whose output rows are heads (column-parallel) and the one that sums
+# the heads (row-parallel): MLA's, GQA's k/v heads, DeepSeek-V4's grouped output (o_a_proj is
+# block-diagonal over o_groups groups of heads, so a rank keeps its heads' groups' rows, then o_b_proj
+# sums the groups).
+_HEAD_ROWS = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj", "o_a_proj")
+_HEAD_SUM = ("o_proj", "o_b_proj")
+_PER_HEAD = ("sinks",)   # DeepSeek-V4's per-head sink logits follow the heads
+
+
 def tp_attention(attn: nn.Module, mesh, sequence_parallel: bool = True) -> None:
-    for name in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj"):   # MLA's, then GQA's k/v heads
+    """Heads split over the tensor-parallel ranks; what the heads share (low-rank projections, one
+    key/value head, DeepSeek-V4's compressors and indexer, whose selection has no gradient) stays
+    replicated (:func:`replicate_remaining`) and is computed on the gathered sequence on every rank."""
+    for name in _HEAD_ROWS:
         if hasattr(attn, name):
             _colwise(getattr(attn, name), mesh)
-    _rowwise(attn.o_proj, mesh)
+    for name in _HEAD_SUM:
+        if hasattr(attn, name):
+            _rowwise(getattr(attn, name), mesh)
+    for name in _PER_HEAD:
+        if name in attn._parameters:
+            distribute_param(attn, name, mesh, [Shard(0)])
     _sequence_parallel_block(attn, mesh.get_group(), sequence_parallel)
 
 
