@@ -142,19 +142,24 @@ def cli_in_process(args: list[str], capfd, cwd: Path | None = None) -> subproces
     """``lit_moe ARGS`` in this process, for tests of what a run does rather than of a fresh
     interpreter (each interpreter start costs 8-12 s of imports): the exit status and what was written
     to stdout/stderr (``capfd``), as ``run_cli`` returns them. A process group the run created is
-    destroyed; the launch variables are restored by conftest."""
+    destroyed, and ``training.deterministic``'s global switch put back; the launch variables are
+    restored by conftest."""
+    import torch
     import torch.distributed as dist
 
     from lit_moe.cli import main
 
     capfd.readouterr()
     before = os.getcwd()
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
     try:
         if cwd is not None:
             os.chdir(cwd)
         code = main(list(args))
     finally:
         os.chdir(before)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         if dist.is_initialized():
             dist.destroy_process_group()
     out, err = capfd.readouterr()

@@ -1,5 +1,6 @@
 """Checkpoints through the real ``lit_moe fit`` CLI (``python -m lit_moe.cli fit --config ...``), in
-fresh processes, on CPU/gloo:
+fresh processes (the one-process resumes inside the test process: ``helpers.cli_in_process``), on
+CPU/gloo:
 
 * exact resume: 8 steps straight == 4 steps, then a new process resuming to 8 (bit-identical losses,
   the same samples, the same learning rates at every step);
@@ -111,11 +112,16 @@ def _config(tmp_path: Path, name: str, probe: Path, steps: int, checkpoint: dict
     return h.write_config(tmp_path, cfg, name)
 
 
-def _fit(tmp_path: Path, config: Path, *extra: str) -> None:
+def _fit(tmp_path: Path, config: Path, *extra: str, capfd=None) -> None:
+    """``lit_moe fit`` in a fresh process; with ``capfd``, a one-process run inside this one (no
+    isolation needed, and no interpreter start)."""
     h = _helpers()
-    env = {"PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
-    proc = h.run_cli(["fit", "--config", str(config), "--trainer.enable_progress_bar", "false",
-                      "--trainer.enable_model_summary", "false", *extra], cwd=tmp_path, timeout=400, env=env)
+    args = ["fit", "--config", str(config), "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", *extra]
+    if capfd is not None:
+        proc = h.cli_in_process(args, capfd, cwd=tmp_path)
+    else:
+        proc = h.run_cli(args, cwd=tmp_path, timeout=400, env={"PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
 
@@ -148,7 +154,7 @@ def test_exact_resume_through_the_cli(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "one_process"])
-def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
+def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout, capfd):
     """Saved by 2 FSDP2 ranks after step 3; resumed in another layout, steps 4 and 5 have the losses of
     the uninterrupted dp2 run (float32 compute; different reduction orders only)."""
     base = _dp2_run(tmp_path_factory)
@@ -158,7 +164,8 @@ def test_reshard_dp2_checkpoint_through_the_cli(tmp_path_factory, layout):
     extra = {"tp2": ["--trainer.devices", "2", "--parallelism.tensor_parallel", "2"],
              "ep2": ["--trainer.devices", "2", "--parallelism.expert_parallel", "2"],
              "one_process": ["--trainer.devices", "1"]}[layout]
-    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra)
+    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra,
+         capfd=capfd if layout == "one_process" else None)
     # every tensor of the model and the optimizer as restored in the new layout: the saved run's, bit for bit
     import torch
 
@@ -183,7 +190,7 @@ ZERO1 = ("--parallelism.data_parallel_shard_strategy", "optim", "--training.loca
 
 
 @pytest.mark.parametrize("layout", ["dp2_zero1", "one_process"])
-def test_zero1_checkpoint_resumes_exactly(tmp_path_factory, layout):
+def test_zero1_checkpoint_resumes_exactly(tmp_path_factory, layout, capfd):
     """Saved by 2 ranks under ZeRO-1 (``data_parallel_shard_strategy: optim``, accumulation 2) after
     step 3; resumed under ZeRO-1 on 2 ranks and in one process: every tensor of the model and the
     optimizer restored bit for bit, and steps 4 and 5 with the uninterrupted run's losses (bit-equal in
@@ -195,7 +202,8 @@ def test_zero1_checkpoint_resumes_exactly(tmp_path_factory, layout):
     probe = tmp_path / "probe.jsonl"
     ckpt = {"load_path": str(base / "ckpt" / "iteration_00000003")}
     extra = {"dp2_zero1": ["--trainer.devices", "2", *ZERO1], "one_process": ["--trainer.devices", "1"]}[layout]
-    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra)
+    _fit(tmp_path, _config(tmp_path, "resume.yaml", probe, 5, ckpt, dump=(tmp_path / "restored.pt", 0)), *extra,
+         capfd=capfd if layout == "one_process" else None)
     saved, restored = torch.load(base / "saved.pt"), torch.load(tmp_path / "restored.pt")
     assert saved.keys() == restored.keys() and sum(k.startswith("optimizer.") for k in saved) > 20
     assert [k for k in saved if not torch.equal(saved[k], restored[k])] == [], layout
@@ -242,7 +250,7 @@ def _dp2_run(tmp_path_factory) -> Path:
     return _DP2["path"]
 
 
-def test_hf_export_then_import_into_expert_parallel(tmp_path_factory):
+def test_hf_export_then_import_into_expert_parallel(tmp_path_factory, capfd):
     """convert-hf of the dp2 checkpoint, then fine-tuning from that Hugging Face directory under
     expert parallel 2 starts from the same weights as fine-tuning from the iteration directory in one
     process: the same first-step loss."""
@@ -258,7 +266,7 @@ def test_hf_export_then_import_into_expert_parallel(tmp_path_factory):
                                    ("ours_one", base / "ckpt" / "iteration_00000003", ["--trainer.devices", "1"])]:
         probe = tmp_path / f"{name}.jsonl"
         config = _config(tmp_path, f"{name}.yaml", probe, 5, {"load_path": str(load_path), "no_load_optim": True})
-        _fit(tmp_path, config, "--trainer.max_steps", "1", *extra)
+        _fit(tmp_path, config, "--trainer.max_steps", "1", *extra, capfd=capfd if name == "ours_one" else None)
         runs[name] = _probe(probe)
     assert sorted(runs["hf_ep2"]) == [1] and sorted(runs["ours_one"]) == [1]
     assert runs["hf_ep2"][1]["batches"] != [] and runs["hf_ep2"][1]["consumed"] == runs["ours_one"][1]["consumed"]
@@ -293,7 +301,7 @@ def check_hf_export(config: Path, hf_dir: Path, final_state: Path) -> None:
     assert diff <= 1.5e-6, diff   # measured 1.8e-7 (one process) / 1.5e-7 (dp2); logits up to 1.1
 
 
-def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capsys):
+def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capfd):
     """One process: save_hf_at_end writes the final state; ``lit_moe predict`` on the run's save_path
     (an iteration directory) gives transformers' greedy tokens on that export."""
     from lit_moe.cli import main as cli_main
@@ -306,12 +314,12 @@ def test_hf_export_at_the_end_and_predict_in_one_process(tmp_path, capsys):
                      {"enable_save": True, "save_path": str(save), "save_interleaved_steps": 2,
                       "save_hf_at_end": str(hf_dir), "save_hf_max_shard_size": "200KB"},
                      dump_end=tmp_path / "final.pt")
-    _fit(tmp_path, config, "--trainer.devices", "1")
+    _fit(tmp_path, config, "--trainer.devices", "1", capfd=capfd)
     check_hf_export(config, hf_dir, tmp_path / "final.pt")
     prompts = ["It is a truth", "Emma"]
     assert cli_main(["predict", "--config", str(config), "--checkpoint", str(save), "--tokenizer", "byte",
                      "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "6"]) == 0
-    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    rows = [json.loads(ln) for ln in capfd.readouterr().out.splitlines() if ln.startswith("{")]
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     ids, valid = left_pad([list(p.encode()) for p in prompts], 256)
     out = hf.generate(input_ids=ids, attention_mask=valid.long(), max_new_tokens=6, do_sample=False,

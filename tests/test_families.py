@@ -148,19 +148,21 @@ def test_recompute_addresses_gqa_modules_in_every_spelling():
 
 
 @pytest.mark.timeout(900)
-def test_save_and_resume_gqa_family_through_the_cli(tmp_path):
+def test_save_and_resume_gqa_family_through_the_cli(tmp_path, capfd):
     """A GLM-4-MoE model (GQA with q/k/v biases, q/k norms, expert bias, an MTP layer): 4 steps straight
-    equal 2 steps, a distributed checkpoint, and 2 resumed steps."""
+    equal 2 steps, a distributed checkpoint, and 2 resumed steps (one-process runs of the CLI inside
+    this process: no interpreter starts)."""
     from test_checkpoint_e2e import _config, _fit, _probe
 
     straight_probe, first_probe, second_probe = (tmp_path / f"{n}.jsonl" for n in ("straight", "first", "second"))
     save = tmp_path / "ckpt"
-    _fit(tmp_path, _config(tmp_path, "straight.yaml", straight_probe, 4, {}, **GQA_TINY))
+    _fit(tmp_path, _config(tmp_path, "straight.yaml", straight_probe, 4, {}, **GQA_TINY), capfd=capfd)
     _fit(tmp_path, _config(tmp_path, "first.yaml", first_probe, 4, {"enable_save": True, "save_path": str(save),
                                                                      "save_interleaved_steps": 100}, **GQA_TINY),
-         "--trainer.max_steps", "2")
+         "--trainer.max_steps", "2", capfd=capfd)
     _fit(tmp_path, _config(tmp_path, "second.yaml", second_probe, 4, {"enable_save": True, "save_path": str(save),
-                                                                       "load_path": str(save)}, **GQA_TINY))
+                                                                       "load_path": str(save)}, **GQA_TINY),
+         capfd=capfd)
     straight, resumed = _probe(straight_probe), {**_probe(first_probe), **_probe(second_probe)}
     assert sorted(resumed) == [1, 2, 3, 4]
     for s in range(1, 5):

@@ -498,12 +498,15 @@ def test_layout_matches_one_process(name, runs, references):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "", world: int = 0) -> dict:
+def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "", world: int = 0,
+         capfd=None) -> dict:
     """``lit_moe fit`` of 3 steps (4 layers, MTP, A = 4 / data_parallel), evaluating after every
     step and logging the MoE metrics (per-expert counts and heatmap too) every step into its own
-    TensorBoard directory. Returns the step lines, the validation losses and that directory."""
+    TensorBoard directory. Returns the step lines, the validation losses and that directory.
+    One process runs inside this one (``capfd``: no interpreter start), on one thread as a launched
+    process would; more run under ``torch.distributed.run``."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import tiny_config, write_config
+    from helpers import cli_in_process, tiny_config, write_config
 
     world = world or pp
     cfg = tiny_config(tmp_path, steps=3, parallelism={"pipeline_parallel": pp})
@@ -520,12 +523,20 @@ def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "",
     record = tmp_path / f"{name}.steps.jsonl"
     cfg["callbacks"] = [{"class_path": "capture_callbacks.StepRecorder", "init_args": {"path": str(record)}}]
     path = write_config(tmp_path, cfg, f"{name}.yaml")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m"]
-                if world > 1 else [sys.executable, "-m"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([*launcher, "lit_moe.cli", "fit", "--config", str(path), "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400))
+    args = ["fit", "--config", str(path), "--trainer.accelerator", "cpu"]
+    if world == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            proc = cli_in_process(args, capfd, cwd=tmp_path)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={world}", "-m", "lit_moe.cli", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]
@@ -568,13 +579,13 @@ def _hf_tensors(tmp_path: Path, config: Path, iteration: Path, name: str) -> dic
 
 
 @pytest.mark.timeout(1500)
-def test_fit_and_resume_across_layouts(tmp_path):
+def test_fit_and_resume_across_layouts(tmp_path, capfd):
     """``lit_moe fit`` under pp2 (1f1b, MTP, A = 4) logs the losses, global gradient norm,
     validation loss and every MoE layer's metrics and heatmap of one process; a checkpoint saved at
     step 2 under pp2 resumes in one process, under pp2, pp4 and pp2·dp2, one saved in one process
     resumes under pp2, each continuing exactly as the uninterrupted run; the Hugging Face export of
     the pp2 checkpoint is the one-process run's."""
-    one = _fit(tmp_path, "one", 1, save=True)
+    one = _fit(tmp_path, "one", 1, save=True, capfd=capfd)
     pp2 = _fit(tmp_path, "pp2", 2, save=True)
     assert sorted(one["steps"]) == sorted(pp2["steps"]) == [1, 2, 3]
     # each of loss, aux loss, MTP loss, grad norm and val loss against its own value, at full precision:
@@ -594,7 +605,7 @@ def test_fit_and_resume_across_layouts(tmp_path):
     assert all(pp2_png[s] == one_png[s] for s in one_png)   # the same heatmap, layer labels included
 
     pp2_ckpt = tmp_path / "ckpt_pp2" / "iteration_00000002"
-    resumed = {"pp2_to_one": _fit(tmp_path, "pp2_to_one", 1, load=str(pp2_ckpt)),
+    resumed = {"pp2_to_one": _fit(tmp_path, "pp2_to_one", 1, load=str(pp2_ckpt), capfd=capfd),
                "pp2_to_pp2": _fit(tmp_path, "pp2_to_pp2", 2, load=str(pp2_ckpt)),
                "pp2_to_pp4": _fit(tmp_path, "pp2_to_pp4", 4, load=str(pp2_ckpt)),
                "pp2_to_pp2dp2": _fit(tmp_path, "pp2_to_pp2dp2", 2, load=str(pp2_ckpt), world=4),
