@@ -427,7 +427,7 @@ def build_run(cfg: Any) -> Run:
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
         builtin.insert(len(builtin) - 1, evaluation)
     check_hf_export(checkpoint, model_config)
-    ckpt_cb = build_checkpoint_callback(checkpoint, training.global_batch_size)
+    ckpt_cb = build_checkpoint_callback(checkpoint, shape.global_batch_size)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
     builtin.extend(start.callbacks)  # after the checkpoint callback: preemption relies on its final save

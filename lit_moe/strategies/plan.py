@@ -221,8 +221,8 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p("batch", file=out)
     per_micro = shape.samples_per_micro_batch
     p(f"  local_batch_size {training.local_batch_size} x data_parallel {dims.dp} = {per_micro} samples per "
-      f"micro-batch; global_batch_size {training.global_batch_size}", file=out)
-    p(f"  accumulation steps {accumulation} (= {training.global_batch_size} // {per_micro})"
+      f"micro-batch; global_batch_size {shape.global_batch_size}", file=out)
+    p(f"  accumulation steps {accumulation} (= {shape.global_batch_size} // {per_micro})"
       + (f"; {shape.dropped} samples of each global batch dropped" if shape.dropped else ""), file=out)
     if shape.ramp is not None:
         p(f"  {shape.ramp.describe()}", file=out)
