@@ -429,6 +429,19 @@ BUGS: list[Bug] = [
         'facts["consumed_samples"] = dm.consumed_samples',
         'facts["consumed_samples"] = trainer.global_step * int(self.global_batch_size)',
         ("tests/test_hostile_inputs.py", "-k", "consumed_samples_are_the_loaders"), timeout=1500.0),
+    Bug("step_metrics_consumed_is_step_times_global_batch", "data sampling", "lit_moe/module.py",
+        "            return dm.consumed_samples",
+        "            return self.trainer.global_step * self.training_config.global_batch_size",
+        ("tests/test_hostile_inputs.py", "-k", "consumed_samples_are_the_loaders"), timeout=1500.0),
+    # the start-of-run line counted global_batch_size x seq_length tokens a step (5 x 32 with local
+    # batch 2 on one rank; a step consumes 4 samples)
+    Bug("console_tokens_of_the_configured_global_batch", "data sampling", "lit_moe/callbacks/console.py",
+        "samples, seq_length = shape.samples_per_step, shape.seq_length",
+        "samples, seq_length = shape.global_batch_size, shape.seq_length",
+        ("tests/test_hostile_inputs.py", "-k", "consumed_samples_are_the_loaders"), timeout=1500.0),
+    Bug("run_shape_step_is_the_configured_global_batch", "data sampling", "lit_moe/strategies/run_shape.py",
+        "return self.accumulation * self.samples_per_micro_batch", "return self.global_batch_size",
+        ("tests/test_plan.py", "-k", "run_shape")),
     Bug("ramp_pipeline_keeps_its_first_schedule", "batch ramp-up", "lit_moe/strategies/pipeline.py",
         "if self.runner is None or self.runner.accumulation_steps != A:", "if self.runner is None:",
         ("tests/test_rampup.py", "-k", "pp2"), timeout=1500.0),
@@ -436,7 +449,7 @@ BUGS: list[Bug] = [
         "for level in ramp.levels()[:-1]:", "for level in ramp.levels()[-1:]:",
         ("tests/test_rampup.py", "-k", "plan_prints_the_ramp")),
     Bug("ramp_summary_shows_the_start", "batch ramp-up", "lit_moe/callbacks/console.py",
-        "this step {ramp.global_batch_at(consumed_samples)} ", "this step {ramp.start} ",
+        "this step {shape.samples_of_step_at(consumed_samples)} ", "this step {shape.ramp.start} ",
         ("tests/test_rampup.py", "-k", "resume")),
     # ---------------------------------------------------------------- MindFormers' parallel keys (issue 31)
     Bug("dedup_weights_dropped", "EP dispatch", "lit_moe/strategies/expert_parallel.py",

@@ -204,8 +204,7 @@ class Run:
                               "layout comes from the parallelism section (remove trainer.strategy)")
         if "logger" in explicit:  # trainer.logger: extra loggers beside the TensorBoard dashboards
             merged["logger"] = combine_loggers(self.logger, explicit["logger"]) or False
-        callbacks = [RunSummary(self.model_config, self.training.global_batch_size, self.training.local_batch_size,
-                                self.seq_length, self.accumulation_steps)] + self.callbacks + user_callbacks
+        callbacks = [RunSummary(self.model_config, self.shape)] + self.callbacks + user_callbacks
         if "enable_progress_bar" not in explicit and not console_is_terminal():
             merged["enable_progress_bar"] = False   # no terminal: plain log lines only
         if merged.get("enable_progress_bar", True) is not False and \
@@ -298,7 +297,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.model.mindformers_defaults import read_pynative_model_section
     from lit_moe.module import LitMoE
     from lit_moe.name_keys import check_name_keys
-    from lit_moe.optim.schedules import batch_ramp, build_lr_lambda
+    from lit_moe.optim.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, no_effect_notes
     from lit_moe.runtime.device_speed import available_accelerator, print_note, resolve_model_section
     from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
@@ -352,8 +351,8 @@ def build_run(cfg: Any) -> Run:
         training.global_batch_size = global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
-    dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
-    ramp = batch_ramp(training, dims.dp)
+    shape = check_layout(parallelism, training, model_config, seq_length, world_size)
+    dims = shape.dims
     check_not_yet_sections(swap, recompute, cfg)
     for line in no_effect_notes({"checkpoint": checkpoint, "parallelism": parallelism, "train_dataset": train_dataset,
                                  "profiler": profiler, "context": _as_dataclass(context, ContextConfig)}, cfg):
@@ -396,22 +395,19 @@ def build_run(cfg: Any) -> Run:
     run.training = training
     run.context = context
     run.model_config = model_config
-    run.accumulation_steps = accumulation
-    run.seq_length = seq_length
+    run.shape = shape
     run.ckpt_path = load.ckpt_path
-    first_accumulation = accumulation if ramp is None else ramp.accumulation_at(0)
-    run.module = LitMoE(model_config, optimizer_section, lr_section, training, first_accumulation,
+    run.module = LitMoE(model_config, optimizer_section, lr_section, training, shape.accumulation_at(0),
                         weights_loader=load.weights_loader, lora=cfg.get("lora_config"))
     run.datamodule = MegatronDataModule(train_dataset, local_batch_size=training.local_batch_size,
-                                        seed=training.seed, seq_length=seq_length, accumulation_steps=accumulation,
-                                        batch_ramp=ramp)
+                                        seed=training.seed, seq_length=seq_length, accumulation_steps=shape.accumulation,
+                                        batch_ramp=shape.ramp)
     # Megatron-style splits know their sample count here (MindRecord files are counted when read)
     split_sizes = getattr(run.datamodule.spec, "sizes", None)
-    step_samples = accumulation * training.local_batch_size * dims.dp
     train_samples = split_sizes[0] if split_sizes else None
-    if train_samples is not None and step_samples > train_samples:
-        raise ConfigError(f"training.global_batch_size: one optimizer step takes {step_samples:,} samples (accumulation "
-                          f"{accumulation:,} x local batch {training.local_batch_size} x data parallel {dims.dp}), more "
+    if train_samples is not None and shape.samples_per_step > train_samples:
+        raise ConfigError(f"training.global_batch_size: one optimizer step takes {shape.samples_per_step:,} samples "
+                          f"(accumulation {shape.accumulation:,} x local batch {training.local_batch_size} x data parallel {dims.dp}), more "
                           f"than the train split's {train_samples:,} (train_dataset.dataloader.sizes[0])")
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
     if not isinstance(fp32_grads, bool):
@@ -431,7 +427,7 @@ def build_run(cfg: Any) -> Run:
     if evaluation is not None:   # after the step's metrics callbacks, before the loggers' bridge
         builtin.insert(len(builtin) - 1, evaluation)
     check_hf_export(checkpoint, model_config)
-    ckpt_cb = build_checkpoint_callback(checkpoint, training.global_batch_size)
+    ckpt_cb = build_checkpoint_callback(checkpoint, shape.global_batch_size)
     if ckpt_cb is not None:
         builtin.append(ckpt_cb)
     builtin.extend(start.callbacks)  # after the checkpoint callback: preemption relies on its final save

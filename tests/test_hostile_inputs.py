@@ -181,12 +181,13 @@ def test_yaml_numbers_are_read_as_yaml_1_2_reads_them(text, value):
 def test_consumed_samples_are_the_loaders_and_resume_on_two_ranks(tmp_path, capfd):
     """One consumed-samples number: the samples the loader handed over. global_batch_size 5 with
     local batch 2 on one rank takes 2 micro-batches (4 samples) a step: the step metrics and
-    common.json say 4, 8, ... (they said 5, 10). Its step-1 checkpoint then resumes on 2 data-parallel
-    ranks (4 is divisible by 2; 5 was refused). Issue 29's case, dp 2, local batch 1, global batch 3
-    (one micro-batch of 2 samples a step), resumes on the same 2 ranks from its step-1 checkpoint."""
+    common.json say 4, 8, ... (they said 5, 10), and the console's summary line counts the tokens of
+    4 samples a step (it said 5). Its step-1 checkpoint then resumes on 2 data-parallel ranks (4 is
+    divisible by 2; 5 was refused). Issue 29's case, dp 2, local batch 1, global batch 3 (one
+    micro-batch of 2 samples a step), resumes on the same 2 ranks from its step-1 checkpoint."""
     env = {"PYTHONPATH": str(Path(__file__).parent), "PYTHONWARNINGS": "ignore"}
 
-    def fit(cfg: dict, name: str, *extra: str) -> None:
+    def fit(cfg: dict, name: str, *extra: str) -> str:
         args = ["fit", "--config", str(write_config(tmp_path, cfg, name)), "--trainer.enable_progress_bar", "false",
                 *extra]
         if "--trainer.devices" in extra and extra[extra.index("--trainer.devices") + 1] == "1":
@@ -194,6 +195,7 @@ def test_consumed_samples_are_the_loaders_and_resume_on_two_ranks(tmp_path, capf
         else:
             proc = run_cli(args, cwd=tmp_path, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout + proc.stderr
 
     for name, first, then, lbs, gbs, per_step in (("one_rank_gbs5", "1", "2", 2, 5, 4),
                                                   ("dp2_gbs3", "2", "2", 1, 3, 2)):
@@ -201,7 +203,9 @@ def test_consumed_samples_are_the_loaders_and_resume_on_two_ranks(tmp_path, capf
         cfg["training"].update(local_batch_size=lbs, global_batch_size=gbs)
         cfg["checkpoint"].update(enable_save=True, save_path=str(tmp_path / name), save_interleaved_steps=1)
         cfg["monitor"]["tensorboard"]["output_dir"] = str(tmp_path / f"tb_{name}")
-        fit(cfg, f"{name}.yaml", "--trainer.devices", first, "--trainer.max_steps", "1")
+        out = fit(cfg, f"{name}.yaml", "--trainer.devices", first, "--trainer.max_steps", "1")
+        assert f"{per_step * 32:,} tokens per step ({per_step} × 32)" in out, out[-3000:]   # seq_length 32
+        assert f"step 1/2 | " in out and f"| samples {per_step} |" in out, out[-3000:]      # the step metrics
         common = json.loads((tmp_path / name / "iteration_00000001" / "common.json").read_text())
         loader = common["trainer_state"]["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
         assert common["consumed_samples"] == loader["consumed_samples"] == per_step, common

@@ -219,9 +219,7 @@ def test_fit_memory_check_uses_the_exact_bytes_of_the_most_loaded_rank(tmp_path)
     refused_only_now = 0
     for world, keys, want, who in cases:
         parallelism = ParallelismConfig(**keys)
-        dims = ParallelDims(world_size=world, dp_shard=parallelism.data_parallel_shard, tp=parallelism.tensor_parallel,
-                            cp=parallelism.context_parallel, pp=parallelism.pipeline_parallel,
-                            ep=parallelism.expert_parallel)
+        dims = ParallelDims.from_config(parallelism, world)
         assert most_loaded_rank(model_config, dims, parallelism) == (want, who), keys
         lower = whole // world
         assert want >= lower
@@ -488,3 +486,26 @@ def test_plan_prints_pipeline_activations_and_refuses_a_bad_split(tmp_path, caps
     assert main(["--config", _write(tmp_path, cfg, "bad.yaml"), "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pipeline_parallel_layers_per_stage" in err[0]
+
+
+def test_the_run_shape_counts_the_samples_a_step_consumes(tmp_path):
+    """``check_layout``'s RunShape, the numbers fit and plan share, by hand: issue 29's dp 2, local
+    batch 1, global batch 3 takes A = 3 // 2 = 1 micro-batch of 2 samples a step and drops 1; the
+    ramp 4 → 8 by 2 every 10 samples (local batch 2, one rank) takes 4, 6, 8 samples a step."""
+    from helpers import tiny_config
+
+    from lit_moe.config import ParallelismConfig, TrainingConfig
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.plan import check_layout
+
+    model_config = DeepseekV3Config(**tiny_config(tmp_path)["model"])
+    with pytest.warns(UserWarning, match="drops 1"):
+        shape = check_layout(ParallelismConfig(), TrainingConfig(local_batch_size=1, global_batch_size=3),
+                             model_config, 32, 2)
+    assert (shape.dims.dp, shape.accumulation, shape.samples_per_step, shape.dropped) == (2, 1, 2, 1)
+    assert shape.samples_of_step_at(10) == 2 and shape.seq_length == 32
+    ramp = check_layout(ParallelismConfig(), TrainingConfig(local_batch_size=2, global_batch_size=8,
+                                                            rampup_batch_size=[4, 2, 20]), model_config, 32, 1)
+    assert (ramp.accumulation, ramp.samples_per_step, ramp.dropped) == (4, 8, 0)
+    assert [ramp.samples_of_step_at(c) for c in (0, 9, 10, 19, 20, 21)] == [4, 4, 6, 6, 8, 8]
+    assert [ramp.accumulation_at(c) for c in (0, 12, 30)] == [2, 3, 4]

@@ -77,11 +77,11 @@ def layout_text(dims: Any) -> str:
            f"cp {dims.cp} · ep {dims.ep} · pp {dims.pp}"
 
 
-def summary_line(model_config: Any, *, global_batch_size: int, local_batch_size: int, seq_length: int,
-                 accumulation_steps: int, dims: Any = None, trainable: Optional[int] = None,
-                 ramp: Any = None, consumed_samples: int = 0) -> str:
-    """The line printed when training starts. ``ramp``: the run's
-    :class:`~lit_moe.optim.schedules.BatchRamp` (the batch of the first step is read at ``consumed_samples``)."""
+def summary_line(model_config: Any, shape: Any, *, trainable: Optional[int] = None, consumed_samples: int = 0) -> str:
+    """The line printed when training starts. ``shape``: the run's
+    :class:`~lit_moe.strategies.run_shape.RunShape`; a step's tokens are those of the samples it
+    consumes (a remainder of ``global_batch_size`` that is no multiple of data parallel × local batch
+    is dropped); with a ramp-up, the batch of the first step is read at ``consumed_samples``."""
     from lit_moe.model.sizing import param_counts
 
     counts = param_counts(model_config)
@@ -89,11 +89,12 @@ def summary_line(model_config: Any, *, global_batch_size: int, local_batch_size:
              f"active per token)"]
     if trainable is not None and trainable != counts.total_with_mtp:
         parts.append(f"{human(trainable)} trainable")
-    parts.append(f"{global_batch_size * seq_length:,} tokens per step ({global_batch_size} × {seq_length})")
-    parts.append(layout_text(dims))
-    parts.append(f"accumulation {accumulation_steps} × micro-batch {local_batch_size}")
-    if ramp is not None:
-        parts.append(f"{ramp.describe()}; this step {ramp.global_batch_at(consumed_samples)} "
+    samples, seq_length = shape.samples_per_step, shape.seq_length
+    parts.append(f"{samples * seq_length:,} tokens per step ({samples} × {seq_length})")
+    parts.append(layout_text(shape.dims))
+    parts.append(f"accumulation {shape.accumulation} × micro-batch {shape.local_batch_size}")
+    if shape.ramp is not None:
+        parts.append(f"{shape.ramp.describe()}; this step {shape.samples_of_step_at(consumed_samples)} "
                      f"(after {consumed_samples:,} samples)")
     return "lit_moe: " + " | ".join(parts)
 
@@ -103,16 +104,12 @@ class RunSummary(Callback):
 
     Args:
         model_config: the model section.
-        global_batch_size, local_batch_size, seq_length, accumulation_steps: the run's batch shape.
+        shape: the run's :class:`~lit_moe.strategies.run_shape.RunShape` (layout and batch of a step).
     """
 
-    def __init__(self, model_config: Any, global_batch_size: int, local_batch_size: int, seq_length: int,
-                 accumulation_steps: int) -> None:
+    def __init__(self, model_config: Any, shape: Any) -> None:
         self.model_config = model_config
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.seq_length = seq_length
-        self.accumulation_steps = accumulation_steps
+        self.shape = shape
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.is_global_zero:
@@ -123,9 +120,5 @@ class RunSummary(Callback):
         trainable = None
         if model is not None:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        ramp = getattr(trainer.datamodule, "batch_ramp", None)   # the DataModule forms the steps
-        emit(summary_line(self.model_config, global_batch_size=self.global_batch_size,
-                          local_batch_size=self.local_batch_size, seq_length=self.seq_length,
-                          accumulation_steps=self.accumulation_steps,
-                          dims=getattr(trainer.strategy, "parallel_dims", None), trainable=trainable,
-                          ramp=ramp, consumed_samples=pl_module.consumed_samples if ramp is not None else 0))
+        emit(summary_line(self.model_config, self.shape, trainable=trainable,
+                          consumed_samples=pl_module.consumed_samples if self.shape.ramp is not None else 0))

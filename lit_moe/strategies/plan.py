@@ -22,6 +22,7 @@ from lit_moe.config import (ConfigError, ParallelismConfig, RecomputeCommConfig,
                             build_section)
 from lit_moe.strategies.memory_plan import state_bytes
 from lit_moe.strategies.parallel_dims import SHARD_STRATEGIES, is_zero1
+from lit_moe.strategies.run_shape import RunShape
 
 GiB = 1024 ** 3
 
@@ -128,10 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model_config: Any, seq_length: int,
-                 world_size: int) -> tuple[Any, int]:
-    """``(ParallelDims, accumulation steps)`` of a run, after every check of the layout against the
-    model and the batch: the one validation ``lit_moe fit`` and ``lit_moe plan`` share, so that plan
-    refuses what fit refuses."""
+                 world_size: int) -> RunShape:
+    """The :class:`RunShape` of a run (its ParallelDims, accumulation steps, samples per step, ramp-up),
+    after every check of the layout against the model and the batch: the one validation and the one
+    resolution ``lit_moe fit`` and ``lit_moe plan`` share, so that plan refuses what fit refuses and
+    both read the same numbers."""
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
     from lit_moe.optim.schedules import RAMPUP_KEY, batch_ramp
     from lit_moe.strategies.pipeline import PipelineLayout, check_pipeline_run
@@ -151,7 +153,7 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
             layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
             for level in ramp.levels()[:-1]:
                 layout.check_microbatches(level // ramp.samples_per_micro_batch, level, field=RAMPUP_KEY)
-    return dims, accumulation
+    return RunShape(dims, training.global_batch_size, training.local_batch_size, accumulation, seq_length, ramp)
 
 
 def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None,
@@ -187,7 +189,8 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     model_config = DeepseekV3Config(**model_section)
     seq_length = _seq_length(data, model_config)
 
-    dims, accumulation = check_layout(parallelism, training, model_config, seq_length, world_size)
+    shape = check_layout(parallelism, training, model_config, seq_length, world_size)
+    dims, accumulation = shape.dims, shape.accumulation
 
     from lit_moe.model import sizing
 
@@ -216,18 +219,14 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  sharding strategy {parallelism.data_parallel_shard_strategy} "
       f"({SHARD_STRATEGIES[parallelism.data_parallel_shard_strategy]})", file=out)
     p("batch", file=out)
-    per_micro = dims.dp * training.local_batch_size
+    per_micro = shape.samples_per_micro_batch
     p(f"  local_batch_size {training.local_batch_size} x data_parallel {dims.dp} = {per_micro} samples per "
-      f"micro-batch; global_batch_size {training.global_batch_size}", file=out)
-    p(f"  accumulation steps {accumulation} (= {training.global_batch_size} // {per_micro})"
-      + (f"; {training.global_batch_size - accumulation * per_micro} samples of each global batch dropped"
-         if training.global_batch_size % per_micro else ""), file=out)
-    from lit_moe.optim.schedules import batch_ramp
-
-    ramp = batch_ramp(training, dims.dp)
-    if ramp is not None:
-        p(f"  {ramp.describe()}", file=out)
-        for first, gbs, before in ramp.stretches(training.steps):
+      f"micro-batch; global_batch_size {shape.global_batch_size}", file=out)
+    p(f"  accumulation steps {accumulation} (= {shape.global_batch_size} // {per_micro})"
+      + (f"; {shape.dropped} samples of each global batch dropped" if shape.dropped else ""), file=out)
+    if shape.ramp is not None:
+        p(f"  {shape.ramp.describe()}", file=out)
+        for first, gbs, before in shape.ramp.stretches(training.steps):
             p(f"    from step {first + 1} (after {before:,} samples): global batch {gbs}, accumulation "
               f"{gbs // per_micro}", file=out)
     p(f"  sequence length {seq_length}: {seq_length // dims.cp} tokens per context-parallel rank, "
@@ -490,8 +489,7 @@ def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, rec
     of the most loaded rank's share."""
     from lit_moe.strategies.parallel_dims import ParallelDims
 
-    plan_dims = ParallelDims(world_size=dims.world_size, dp_shard=parallelism.data_parallel_shard,
-                             tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep)
+    plan_dims = ParallelDims.from_config(parallelism, dims.world_size)
     args = (model_config, plan_dims, parallelism, recompute, recompute_comm, optimizer_section)
     exact = True
     if dims.world_size == 1:

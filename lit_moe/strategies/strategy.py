@@ -116,9 +116,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         super()._setup_distributed()
 
     def _make_parallel_dims(self, world_size: int) -> ParallelDims:
-        p = self.parallelism
-        dims = ParallelDims(world_size=world_size, dp_shard=p.data_parallel_shard, tp=p.tensor_parallel,
-                            cp=p.context_parallel, pp=p.pipeline_parallel, ep=p.expert_parallel)
+        dims = ParallelDims.from_config(self.parallelism, world_size)
         if self.model_config is not None:
             dims.validate_model(self.model_config)
         return dims
