@@ -103,20 +103,21 @@ class LightningIndexer(nn.Module):
                 k, allowed = self.hooks.indexer_keys(k, allowed, self.window_left)
             elif allowed is None:
                 allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
-            scores = self.scores(x, q_latent, cos, sin, k)
+            index_scores = self.scores(x, q_latent, cos, sin, k)
         with torch.no_grad():
-            ranked = scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
-            chosen = ranked.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
-            selected = torch.zeros(ranked.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
-        return allowed & selected[:, None], scores
+            scores = index_scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
+            chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
+            selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
+        return allowed & selected[:, None], index_scores
 
 
-@torch.no_grad()
 def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, selected: torch.Tensor) -> torch.Tensor:
-    """The indexer loss's target ``[B, S, S_k]`` (fp32, no gradient): the main attention's probabilities
-    ``softmax(scale q.k)`` over each query's selected keys (``selected [B or 1, 1, S, S_k]``), summed over
-    the heads of ``query [B, heads, S, d]`` / ``key [B, heads, S_k, d]`` and L1-renormalised; 0 on a
-    row with no key. One head at a time: ``[B, S, S_k]`` at most besides the result."""
+    """The indexer loss's target ``[B, S, S_k]`` (fp32, detached: the loss must not train the attention):
+    the main attention's probabilities ``softmax(scale q.k)`` over each query's selected keys (``selected
+    [B or 1, 1, S, S_k]``), summed over the heads of ``query [B, heads, S, d]`` / ``key [B, heads, S_k, d]``
+    and L1-renormalised; 0 on a row with no key. One head at a time: ``[B, S, S_k]`` at most besides
+    the result."""
+    query, key = query.detach(), key.detach()
     sel = selected[:, 0]
     total = torch.zeros(query.shape[0], query.shape[2], key.shape[2], dtype=torch.float32, device=query.device)
     for h in range(query.shape[1]):
