@@ -287,11 +287,16 @@ def test_indexer_loss_matches_the_formula():
 
 def test_indexer_loss_trains_the_indexers_only():
     """The gradient of the indexer loss reaches every indexer's weights (the MTP layer's too) and nothing
-    else: the other weights' gradients with coefficient 0 and 1 are the same."""
+    else: the other weights' gradients with coefficient 0 and 1 are the same; recomputing every block
+    gives the same gradients."""
+    from lit_moe.strategies.recompute import apply_recompute
+
     cfg = {**V32, "num_nextn_predict_layers": 1}
     grads = {}
-    for coeff in (0.0, 1.0):
-        m = ours_model({**cfg, "dsa_indexer_loss_coeff": coeff}).train()
+    for coeff in (0.0, 1.0, "recompute"):
+        m = ours_model({**cfg, "dsa_indexer_loss_coeff": 1.0 if coeff == "recompute" else coeff}).train()
+        if coeff == "recompute":
+            apply_recompute(m, {"mode": "full", "full_recompute_layer": [0, 1, 2, 3]}, None)
         x = ids()
         out = m(x, labels=x)
         objective = out.loss + out.aux_loss + out.mtp_loss + (out.indexer_loss if coeff else 0.0)
@@ -305,6 +310,7 @@ def test_indexer_loss_trains_the_indexers_only():
     assert len(others) > 20
     # measured 0 (the indexer's inputs and the target leave the main model's graph)
     assert all(torch.equal(grads[0.0][n], grads[1.0][n]) for n in others)
+    assert all(torch.equal(grads["recompute"][n], g) for n, g in grads[1.0].items() if g is not None)   # measured 0
 
 
 def test_training_moves_the_indexer_and_logs_its_loss(tmp_path, capsys):
