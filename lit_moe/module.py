@@ -179,9 +179,10 @@ class LitMoE(LightningModule):
     def _reset_step_accumulators(self) -> None:
         # Kept on the device (float64: the sums are those of the host floats they replace, bit for bit);
         # nothing is read on the host until a log step reads the step's metrics.
-        self._loss_sum: Any = None   # [3]: loss, aux, mtp (each already / A)
+        self._loss_sum: Any = None   # [4]: loss, aux, mtp, indexer (each already / A)
         self._has_aux = False
         self._has_mtp = False
+        self._has_indexer = False
         self._micro_losses: list[Any] = []
         self._moe_aux_sum: Optional[torch.Tensor] = None
         self._step_start = time.perf_counter()
@@ -217,7 +218,8 @@ class LitMoE(LightningModule):
         pipeline = strategy.pipeline
         if pipeline is not None:  # a pipeline schedule runs all micro-batches through every stage
             record = pipeline.forward_backward_record(micro_batches)
-            self._loss_sum, self._micro_losses, self._moe_aux_sum = record.losses, record.micro_losses, record.moe_aux
+            self._micro_losses, self._moe_aux_sum = record.micro_losses, record.moe_aux
+            self._loss_sum = torch.cat([record.losses, record.losses.new_zeros(1)])   # (no indexer loss under pp)
             self._has_aux, self._has_mtp = record.has_aux, record.has_mtp
             self._tokens += sum(int(b["input_ids"].numel()) for b in micro_batches)
             return
@@ -233,12 +235,16 @@ class LitMoE(LightningModule):
             if mtp is not None and len(self.model.mtp):
                 objective = objective + mtp
                 self._has_mtp = True
+            indexer = out.indexer_loss
+            if indexer is not None:   # DeepSeek-V3.2's indexer loss (its gradient reaches the indexers only)
+                objective = objective + indexer
+                self._has_indexer = True
             self.manual_backward(objective / A)
 
             with torch.no_grad():
                 loss = _as_float64(out.loss)
                 terms = torch.stack([loss] + [_as_float64(t) if t is not None else torch.zeros_like(loss)
-                                              for t in (aux, mtp)]) / A
+                                              for t in (aux, mtp, indexer)]) / A
                 self._loss_sum = terms if self._loss_sum is None else self._loss_sum + terms
                 self._micro_losses.append(loss / A)
             self._collect_moe_aux()
@@ -336,7 +342,7 @@ class LitMoE(LightningModule):
     def _step_metrics(self, grad_norm, lr, skip, moe) -> StepMetrics:
         losses = self._loss_sum
         if losses is None:   # a step without micro-batches of this rank's own (pipeline stages)
-            losses = torch.zeros(3, dtype=torch.float64, device=grad_norm.device)
+            losses = torch.zeros(4, dtype=torch.float64, device=grad_norm.device)
         losses = torch.as_tensor(losses, dtype=torch.float64)
         tokens: Any = self._tokens
         if is_distributed():
@@ -349,11 +355,11 @@ class LitMoE(LightningModule):
                              torch.full((1,), float(self._tokens), dtype=torch.float64, device=device), *flags])
             dist.all_reduce(vec)
             if flags:
-                agree_on_signal(vec[4:])
-            losses = vec[:3] / world
+                agree_on_signal(vec[5:])
+            losses = vec[:4] / world
             # Every sample reaches all tensor/context/pipeline-parallel ranks of its data-parallel rank:
             # count its tokens once (rounded when read).
-            tokens = vec[3] / self.step_strategy.batch_replicas
+            tokens = vec[4] / self.step_strategy.batch_replicas
         step = self.trainer.global_step
         skipped_steps: Any = self._skipped_host
         if self._skipped_on_device is not None:
@@ -363,6 +369,7 @@ class LitMoE(LightningModule):
             loss=losses[0],
             aux_loss=losses[1] if self._has_aux else None,
             mtp_loss=losses[2] if self._has_mtp else None,
+            indexer_loss=losses[3] if self._has_indexer else None,
             grad_norm=grad_norm,
             lr=lr,
             skipped=skip if skip is not None else False,

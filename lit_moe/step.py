@@ -59,7 +59,7 @@ class MoEStepStats:
 
 
 # Fields of StepMetrics that may arrive as tensors on the device and are read on the host lazily.
-_LAZY_FIELDS = ("loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "skipped", "skipped_steps", "tokens",
+_LAZY_FIELDS = ("loss", "aux_loss", "mtp_loss", "indexer_loss", "grad_norm", "lr", "skipped", "skipped_steps", "tokens",
                 "micro_losses")
 
 
@@ -84,6 +84,8 @@ class StepMetrics:
     * ``aux_loss``: MoE balancing loss (coefficient included), mean like ``loss``; None for a model
       without it.
     * ``mtp_loss``: multi-token-prediction loss (scaling included), mean like ``loss``; None without MTP.
+    * ``indexer_loss``: DeepSeek-V3.2's indexer KL loss (sum over the indexers, coefficient included),
+      mean like ``loss``; None without ``dsa_indexer_loss_coeff``.
     * ``grad_norm``: global L2 norm of the accumulated gradients before clipping (fp32, every mesh).
     * ``lr``: learning rate of the first parameter group that this update used.
     * ``skipped``: a :class:`StepGuard` vetoed this update (parameters, optimizer and schedule untouched).
@@ -105,13 +107,13 @@ class StepMetrics:
 
     def __init__(self, *, step: int, loss: Any, aux_loss: Any, mtp_loss: Any, grad_norm: Any, lr: Any,
                  skipped: Any, skipped_steps: Any, consumed_samples: int, tokens: Any, step_time: float,
-                 micro_losses: Any, moe: Optional[MoEStepStats]) -> None:
+                 micro_losses: Any, moe: Optional[MoEStepStats], indexer_loss: Any = None) -> None:
         set_ = object.__setattr__
         set_(self, "step", int(step))
         set_(self, "consumed_samples", int(consumed_samples))
         set_(self, "step_time", float(step_time))
         set_(self, "moe", moe)
-        set_(self, "_raw", dict(loss=loss, aux_loss=aux_loss, mtp_loss=mtp_loss, grad_norm=grad_norm, lr=lr,
+        set_(self, "_raw", dict(loss=loss, aux_loss=aux_loss, mtp_loss=mtp_loss, indexer_loss=indexer_loss, grad_norm=grad_norm, lr=lr,
                                 skipped=skipped, skipped_steps=skipped_steps, tokens=tokens,
                                 micro_losses=micro_losses))
         set_(self, "_values", None)
@@ -148,6 +150,7 @@ class StepMetrics:
             "loss": float(host["loss"]),
             "aux_loss": None if host["aux_loss"] is None else float(host["aux_loss"]),
             "mtp_loss": None if host["mtp_loss"] is None else float(host["mtp_loss"]),
+            "indexer_loss": None if host["indexer_loss"] is None else float(host["indexer_loss"]),
             "grad_norm": float(host["grad_norm"]),
             "lr": float(host["lr"]),
             "skipped": bool(host["skipped"]),
@@ -165,6 +168,7 @@ class StepMetrics:
     loss = property(lambda self: self._get("loss"), doc="Language-model loss of the global batch.")
     aux_loss = property(lambda self: self._get("aux_loss"), doc="MoE balancing loss, or None.")
     mtp_loss = property(lambda self: self._get("mtp_loss"), doc="Multi-token-prediction loss, or None.")
+    indexer_loss = property(lambda self: self._get("indexer_loss"), doc="DeepSeek-V3.2's indexer loss, or None.")
     grad_norm = property(lambda self: self._get("grad_norm"), doc="Global pre-clip gradient norm.")
     lr = property(lambda self: self._get("lr"), doc="Learning rate this update used (first group).")
     skipped = property(lambda self: self._get("skipped"), doc="A StepGuard vetoed this update.")

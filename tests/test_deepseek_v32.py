@@ -114,7 +114,7 @@ def test_mindformers_section_with_the_dsa_keys():
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(dsa_indexer_loss_coeff=0.01), r"model\.dsa_indexer_loss_coeff: 0\.01 is not implemented yet"),
+    (dict(dsa_indexer_loss_coeff=-0.1), r"model\.dsa_indexer_loss_coeff: -0\.1 must be >= 0"),
     (dict(q_lora_rank=0), r"model\.experimental_attention_variant: 'dsa' needs multi-latent attention with q_lora"),
     (dict(index_head_dim=4), r"model\.index_head_dim: 4 must be at least qk_rope_head_dim \(8\)"),
     (dict(experimental_attention_variant=None), r"model\.experimental_attention_variant: None must be 'dsa'"),
@@ -137,14 +137,22 @@ def test_ulysses_context_parallel_refused_and_predict_refused():
     with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
                                                r"experimental_attention_variant 'dsa' is not supported \("):
         check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, c)
+    # the indexer loss: data/expert parallel and FSDP only
+    lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
+    check_parallel_layout(ParallelismConfig(data_parallel_shard=2), ParallelDims(world_size=2, dp_shard=2), lossy)
+    for layout, sizes in ((dict(context_parallel=2), dict(cp=2)), (dict(tensor_parallel=2), dict(tp=2)),
+                          (dict(pipeline_parallel=2), dict(pp=2))):
+        with pytest.raises(ParallelismError, match=r"^model\.dsa_indexer_loss_coeff: 0\.1 \(DeepSeek-V3\.2's indexer "
+                                                   r"loss\) is not implemented with tensor, context or pipeline"):
+            check_parallel_layout(ParallelismConfig(**layout), ParallelDims(world_size=2, **sizes), lossy)
     with pytest.raises(ConfigError, match=r"^model\.experimental_attention_variant: 'dsa': predict has no"):
         check_model(c)
 
 
 def test_indexer_gets_no_gradient_and_recompute_addresses_it():
-    """What lit_moe trains: the language-model loss reaches every weight but the indexer's (its top-k choice
-    is not differentiable; DeepSeek's KL indexer loss is not implemented). Recompute patterns address the
-    indexer by its module name."""
+    """Without the indexer loss (dsa_indexer_loss_coeff unset) the language-model loss reaches every weight
+    but the indexer's (its top-k choice is not differentiable). Recompute patterns address the indexer by
+    its module name."""
     import copy
 
     from test_recompute_model import batch, build, step
@@ -213,3 +221,122 @@ def test_sizing_counts_the_indexer():
     assert param_counts(c).total_with_mtp == sum(p.numel() for p in model.parameters())
     dense = DeepseekV3Config(**{k: v for k, v in V32.items() if not k.startswith("index_") and k != "model_type"})
     assert flops_per_token(c, SEQ) - flops_per_token(dense, SEQ) == pytest.approx(-13752, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3.2's indexer loss (dsa_indexer_loss_coeff, the sparse stage)
+# ----------------------------------------------------------------------------------------------
+# one MLA layer with its indexer, no rotary encoding (learned absolute positions: the hand reference
+# below needs no rotation convention), no MoE, no MTP
+# (8 indexer heads and these tokens: no two index scores tie at a top-k boundary, which ReLU's zeros
+# make likely with 4 heads; the reference asserts it)
+ONE_LAYER = {**V32, "num_hidden_layers": 1, "position_embedding_type": "learned_absolute", "index_n_heads": 8,
+             "dsa_indexer_loss_coeff": 0.7}
+
+
+def reference_indexer_loss(attn, x, coeff):
+    """DeepSeek-V3.2's sparse-stage indexer loss from the formula, in plain torch on the weights of ``attn``
+    (its input ``x [B, S, H]``): S_t = the top-k causal keys of the index scores I; p = the heads' attention
+    probabilities restricted to S_t, summed, L1-renormalised; coeff * mean_t KL(p || softmax(I over S_t))."""
+    B, S, _ = x.shape
+    W = lambda lin: lin.weight.double()                                      # noqa: E731
+    rms = lambda t, w, eps: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()   # noqa: E731
+    x = x.double()
+    c = attn.core_attention
+    n, dn, dr, dv = 4, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    q_lat = rms(x @ W(attn.q_a_proj).T, attn.q_a_layernorm.weight, attn.q_a_layernorm.eps)
+    q = (q_lat @ W(attn.q_b_proj).T).view(B, S, n, dn + dr)
+    kv_a = x @ W(attn.kv_a_proj_with_mqa).T
+    latent = rms(kv_a[..., :attn.kv_lora_rank], attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+    kv = (latent @ W(attn.kv_b_proj).T).view(B, S, n, dn + dv)
+    k = torch.cat([kv[..., :dn], kv_a[..., None, attn.kv_lora_rank:].expand(B, S, n, dr)], -1)
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k) * c.scale                 # [B, n, S, S]
+    ix = attn.indexer
+    h, D = ix.n_heads, ix.head_dim
+    qi = (q_lat @ W(ix.wq_b).T).view(B, S, h, D)
+    ki = torch.nn.functional.layer_norm(x @ W(ix.wk).T, (D,), ix.k_norm.weight.double(), ix.k_norm.bias.double(),
+                                        1e-6)
+    w = (x @ W(ix.weights_proj).T) * h ** -0.5
+    I = (w[..., None] * torch.relu(torch.einsum("bqhd,bkd->bqhk", qi, ki) * D ** -0.5)).sum(2)   # [B, S, S]
+    total = 0.0
+    for b in range(B):
+        for t in range(S):
+            ranked = I[b, t, :t + 1].sort(descending=True)
+            keys = ranked.indices[:ix.topk]                                    # S_t among the causal keys
+            assert t < ix.topk or ranked.values[ix.topk - 1] - ranked.values[ix.topk] > 1e-4   # no tie
+            p = torch.softmax(logits[b, :, t, keys], -1).sum(0)
+            p = p / p.sum()
+            log_q = torch.log_softmax(I[b, t, keys], -1)
+            total = total + (p * (p.log() - log_q)).sum()
+    return coeff * total / (B * S)
+
+
+def test_indexer_loss_matches_the_formula():
+    m = ours_model(ONE_LAYER).train()
+    attn = m.layers[0].self_attention
+    seen = {}
+    attn.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0].detach()))
+    x = ids(3)
+    out = m(x, labels=x)
+    ref = reference_indexer_loss(attn, seen["x"], 0.7)
+    # measured 7.2e-7 relative (fp32 against fp64)
+    assert abs(out.indexer_loss.item() - ref.item()) <= 5e-6 * abs(ref.item()), (out.indexer_loss.item(), ref)
+    # evaluation (and coefficient 0) computes none
+    assert m.eval()(x, labels=x).indexer_loss is None
+
+
+def test_indexer_loss_trains_the_indexers_only():
+    """The gradient of the indexer loss reaches every indexer's weights (the MTP layer's too) and nothing
+    else: the other weights' gradients with coefficient 0 and 1 are the same; recomputing every block
+    gives the same gradients."""
+    from lit_moe.strategies.recompute import apply_recompute
+
+    cfg = {**V32, "num_nextn_predict_layers": 1}
+    grads = {}
+    for coeff in (0.0, 1.0, "recompute"):
+        m = ours_model({**cfg, "dsa_indexer_loss_coeff": 1.0 if coeff == "recompute" else coeff}).train()
+        if coeff == "recompute":
+            apply_recompute(m, {"mode": "full", "full_recompute_layer": [0, 1, 2, 3]}, None)
+        x = ids()
+        out = m(x, labels=x)
+        objective = out.loss + out.aux_loss + out.mtp_loss + (out.indexer_loss if coeff else 0.0)
+        objective.backward()
+        grads[coeff] = {n: p.grad for n, p in m.named_parameters()}
+    indexer = [n for n in grads[1.0] if ".indexer." in n]
+    assert {n.split(".indexer.")[0] for n in indexer} == {"layers.0.self_attention", "layers.1.self_attention",
+                                                         "layers.2.self_attention", "mtp.0.layer.self_attention"}
+    assert all(grads[0.0][n] is None and grads[1.0][n].abs().sum() > 0 for n in indexer)
+    others = [n for n in grads[1.0] if ".indexer." not in n and grads[0.0][n] is not None]
+    assert len(others) > 20
+    # measured 0 (the indexer's inputs and the target leave the main model's graph)
+    assert all(torch.equal(grads[0.0][n], grads[1.0][n]) for n in others)
+    assert all(torch.equal(grads["recompute"][n], g) for n, g in grads[1.0].items() if g is not None)   # measured 0
+
+
+def test_training_moves_the_indexer_and_logs_its_loss(tmp_path, capsys):
+    """A few optimizer steps on the objective change the indexers' weights and lower their loss; a
+    ``lit_moe fit`` run adds it to the objective and logs it."""
+    from helpers import tiny_config, write_config
+    from lit_moe.cli import main
+
+    m = ours_model({**ONE_LAYER, "dsa_indexer_loss_coeff": 1.0}).train()
+    before = {n: p.detach().clone() for n, p in m.named_parameters() if ".indexer." in n}
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0)
+    x = ids()
+    losses = []
+    for _ in range(6):
+        out = m(x, labels=x)
+        (out.loss + out.indexer_loss).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.indexer_loss.item())
+    after = dict(m.named_parameters())
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    assert losses[-1] < 0.8 * losses[0], losses
+    cfg = tiny_config(tmp_path, steps=2)
+    cfg["model"].update(experimental_attention_variant="dsa", index_topk=6,
+                        index_n_heads=2, index_head_dim=16, dsa_indexer_loss_coeff=0.5,
+                        dsa_indexer_use_sparse_loss=True)
+    assert main(["fit", "--config", str(write_config(tmp_path, cfg))]) == 0, capsys.readouterr().err
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 2/2")]
+    assert lines and "indexer_loss" in lines[0], lines

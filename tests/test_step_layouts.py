@@ -38,7 +38,7 @@ SKIP_AT = 2
 def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False, compile=False,
             cp_method="colossal", cp_async=False, family="deepseek_v3", strategy="optim_grads_params"):
     return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
-                mtp=0 if cp > 1 or family not in ("deepseek_v3", "deepseek_v32") else 1, compile=compile,
+                mtp=0 if cp > 1 or not family.startswith("deepseek_v3") else 1, compile=compile,
                 cp_method=cp_method, cp_async=cp_async, family=family, strategy=strategy)
 
 
@@ -52,6 +52,9 @@ FAMILY_SECTIONS = {
                      qk_layernorm=True),
     # DeepSeek-V3.2: each query attends to the indexer's 8 best of its keys (SEQ 32), the MTP layer's too
     "deepseek_v32": dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16),
+    # ... with its indexer loss, which trains the indexers (the MTP layer's too)
+    "deepseek_v32_loss": dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16,
+                              dsa_indexer_loss_coeff=0.5),
     # DeepSeek-V4: its attention (sliding, CSA with indexer, HCA), two mHC streams, a hash-routed first layer
     "deepseek_v4": dict(model_type="deepseek_v4", head_dim=16, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=16,
                         index_n_heads=2, index_head_dim=16, index_topk=2, sliding_window=4, hc_mult=2,
@@ -93,6 +96,8 @@ LAYOUTS = {
     # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel,
     # its keys all-gathered over context parallel (zig-zag chunks back in sequence order)
     "v32_cp2_tp2": _layout(4, cp=2, tp=2, family="deepseek_v32"),
+    # DeepSeek-V3.2's indexer loss (each rank's mean over its tokens, averaged) under FSDP + expert parallel
+    "v32_loss_dp2_ep2": _layout(2, ep=2, family="deepseek_v32_loss"),
     # DeepSeek-V4's pieces (hash router, mHC streams, its attention) under FSDP + context + tensor + expert
     # parallel: heads, sinks and head groups split over tp, compressors, indexer and mHC weights replicated
     # (partial gradients); the attention's keys and compressed windows over the cp-gathered sequence
@@ -152,7 +157,7 @@ def build_run(spec: dict, dp_rank_of=None):
             m = pl_module.step_metrics
             updates = {n: float((_full(p) - self.before[n]).norm()) for n, p in pl_module.model.named_parameters()}
             self.rows.append(dict(grad_norms=self.grad_norms, update_norms=updates,
-                step=m.step, loss=m.loss, aux_loss=m.aux_loss, mtp_loss=m.mtp_loss, grad_norm=m.grad_norm,
+                step=m.step, loss=m.loss, aux_loss=m.aux_loss, mtp_loss=m.mtp_loss, indexer_loss=m.indexer_loss, grad_norm=m.grad_norm,
                 lr=m.lr, skipped=m.skipped, tokens=m.tokens, micro=len(m.micro_losses),
                 tokens_per_expert=m.moe.tokens_per_expert.tolist(), layer_aux=m.moe.aux_loss.tolist(),
                 expert_bias=m.moe.expert_bias.tolist(), compiled=compile_state(),
@@ -363,9 +368,11 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12)
         for key in ("loss", "aux_loss", "grad_norm", "layer_aux"):
             assert _close(g[key], r[key]), (name, g["step"], key, g[key], r[key])
-        assert (g["mtp_loss"] is None) == (r["mtp_loss"] is None)
-        if r["mtp_loss"] is not None:
-            assert _close(g["mtp_loss"], r["mtp_loss"]), (name, g["step"])
+        for key in ("mtp_loss", "indexer_loss"):
+            assert (g[key] is None) == (r[key] is None)
+            if r[key] is not None:
+                assert _close(g[key], r[key]), (name, g["step"], key)
+        assert (r["indexer_loss"] is not None) == (spec["family"] == "deepseek_v32_loss")
         assert _close(g["expert_bias"], r["expert_bias"], abs_=1e-7), (name, g["step"])
         assert g["grad_norms"].keys() == r["grad_norms"].keys() and g["update_norms"].keys() == r["update_norms"].keys()
         # per parameter, relative: measured worst 5.2e-7 (pre-clip gradient norms) and 5.6e-6 (update
@@ -397,6 +404,11 @@ def test_the_real_step_matches_one_process(name, layout_results, references):
         indexer = [n for n in ref[-1]["update_norms"] if ".indexer." in n]
         assert indexer and all(g["update_norms"][n] == r["update_norms"][n] == 0 for g, r in zip(got, ref)
                                for n in indexer)
+    if spec["family"] == "deepseek_v32_loss":   # its loss trains every indexer, the MTP layer's too
+        indexer = [n for n in ref[-1]["update_norms"] if ".indexer." in n]
+        assert any(n.startswith("mtp.") for n in indexer)
+        assert all(g["update_norms"][n] > 0 and r["update_norms"][n] > 0 for g, r in zip(got[1:], ref[1:])
+                   for n in indexer)
     if spec["skip"]:
         # the skipped step changed nothing: step 3 sees the biases of step 1
         assert got[1]["expert_bias"] == got[0]["expert_bias"]

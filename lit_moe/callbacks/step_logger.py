@@ -4,7 +4,7 @@ the x-axis.
 Scalars written every ``log_interval`` optimizer steps and at the run's last step (rank 0, when
 TensorBoard is on; other steps read nothing from the device):
 ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/consumed_samples``, ``train/skipped_steps``,
-and ``train/aux_loss`` / ``train/mtp_loss`` when the model has them; each (except consumed samples)
+and ``train/aux_loss`` / ``train/mtp_loss`` / ``train/indexer_loss`` when the model has them; each (except consumed samples)
 also as ``"<tag> vs samples"`` against consumed samples (MindFormers' "vs samples" variants).
 Throughput scalars come from :class:`~lit_moe.callbacks.throughput.ThroughputMFU`, MoE scalars from
 :class:`~lit_moe.callbacks.moe_metrics.MoEMetrics`. The resolved config is written once as text
@@ -70,7 +70,7 @@ class StepLogger(Callback):
         if writer is None:
             return
         step, samples = m.step, m.consumed_samples
-        for key in ("loss", "lr", "grad_norm", "aux_loss", "mtp_loss"):
+        for key in ("loss", "lr", "grad_norm", "aux_loss", "mtp_loss", "indexer_loss"):
             value = getattr(m, key)
             if value is not None:
                 add_scalar(writer, f"train/{key}", float(value), step, samples)
@@ -82,7 +82,7 @@ class StepLogger(Callback):
         perf = perf or {}
         total = f"/{self.total_steps}" if self.total_steps else ""
         parts = [f"step {m.step}{total}", f"loss {fmt(m.loss)}"]
-        for key in ("aux_loss", "mtp_loss"):
+        for key in ("aux_loss", "mtp_loss", "indexer_loss"):
             if getattr(m, key) is not None:
                 parts.append(f"{key} {fmt(getattr(m, key))}")
         parts += [f"lr {fmt(m.lr, '.6e')}", f"grad_norm {fmt(m.grad_norm, '.4f')}",

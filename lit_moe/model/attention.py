@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.indexer import LightningIndexer
+from lit_moe.model.indexer import LightningIndexer, attention_target, indexer_kl_loss
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
 from lit_moe.ops import Linear, apply_rotary, build_norm, fused_linear
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
@@ -257,9 +257,18 @@ class MLAttention(nn.Module):
         key = torch.cat([k_nope, k_pe.expand(B, S, heads, self.qk_rope_head_dim)], dim=-1).transpose(1, 2)
         value = v.transpose(1, 2)
         mask = ctx.window_mask if self.use_window else ctx.full_mask
+        train_indexer = False
         if self.indexer is not None:
-            mask = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
+            self.indexer.loss = None
+            train_indexer = self.training and self.indexer.loss_coeff > 0 and torch.is_grad_enabled()
+            if train_indexer:   # the indexer's inputs leave the main model's graph: it learns from its loss only
+                mask, scores = self.indexer(x.detach(), q_latent.detach(), ctx.cos, ctx.sin, mask, with_grad=True)
+            else:
+                mask, _ = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
+        if train_indexer:
+            target = attention_target(query, key, self.core_attention.scale, mask)
+            self.indexer.loss = self.indexer.loss_coeff * indexer_kl_loss(scores, target, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -150,13 +150,20 @@ class DeepseekV3Config:
     """The lightning indexer's head width; None: 128. DSA: at least ``qk_rope_head_dim`` (its leading
     dims carry the rotary encoding; MindFormers: ``dsa_indexer_head_dim``)."""
     dsa_indexer_loss_coeff: Optional[float] = None
-    """DSA: weight of DeepSeek's KL loss that trains the indexer towards the attention distribution.
-    Not implemented yet: only None or 0 (the indexer gets no gradient, its weights stay as loaded)."""
+    """DSA: weight of DeepSeek-V3.2's indexer loss (sparse stage), as in MindFormers and Megatron: each
+    indexer adds ``coeff * mean_t KL(p_t || softmax(I_t))`` to the training objective, t every query
+    token of the micro-batch (padded and loss-masked ones included, as there; a query with no allowed
+    key counts 0), p_t the main attention's probabilities on the query's selected keys summed over the
+    heads and L1-renormalised (detached), I_t the index scores on those keys. Every indexer counts with
+    weight 1, the MTP layers' too. The indexer's inputs are detached: it is trained by this loss only,
+    the rest of the model by the language-model loss only. Logged as ``indexer_loss`` (the sum over the
+    indexers, coefficient included; MindFormers logs the mean over the layers). Not with tensor, context
+    or pipeline parallel. None or 0: no indexer loss (the indexer gets no gradient)."""
     dsa_indexer_use_sparse_loss: bool = False
-    """DSA: MindFormers' training stage. True: the sparse stage (top-k attention), what lit_moe runs.
-    False (MindFormers' default): the dense warm-up stage (dense attention, every weight but the
-    indexer's frozen, the indexer trained by its KL loss), not implemented yet: with ``dsa`` it is
-    refused. The ``deepseek_v32`` family sets True."""
+    """DSA: MindFormers' training stage. True: the sparse stage (top-k attention, the indexer loss on
+    the selected keys), what lit_moe runs. False (MindFormers' default): the dense warm-up stage (dense
+    attention, every weight but the indexer's frozen, the indexer trained by its KL loss over all keys),
+    not implemented: with ``dsa`` it is refused. The ``deepseek_v32`` family sets True."""
 
     # ------------------------------------------------------------------ grouped-query attention
     head_dim: Optional[int] = None

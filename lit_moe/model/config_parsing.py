@@ -323,9 +323,8 @@ def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> Non
     if cfg.index_head_dim < cfg.qk_rope_head_dim:
         fail("index_head_dim", f"must be at least qk_rope_head_dim ({cfg.qk_rope_head_dim}): its leading dims "
              "carry the rotary encoding")
-    if cfg.dsa_indexer_loss_coeff:
-        fail("dsa_indexer_loss_coeff", "is not implemented yet: the indexer's KL loss; set it to 0 or null (the "
-             "indexer then gets no gradient and keeps its weights)")
+    if cfg.dsa_indexer_loss_coeff is not None and not cfg.dsa_indexer_loss_coeff >= 0:
+        fail("dsa_indexer_loss_coeff", "must be >= 0 (0 or null: no indexer loss)")
     if not cfg.dsa_indexer_use_sparse_loss:
         fail("dsa_indexer_use_sparse_loss", "(MindFormers' dense warm-up stage: dense attention, only the indexer "
              "trained) is not implemented yet; set it to true (the sparse stage: top-k attention)")

@@ -13,11 +13,17 @@ query keeps the ``index_topk`` best keys among those the attention mask allows; 
 only to those (the mask is AND-ed with the selection). Where fewer keys are allowed than ``index_topk``
 every allowed key is kept, so a sequence no longer than ``index_topk`` is plain causal attention.
 
-Following transformers' ``DeepseekV32Indexer`` (the reference this is checked against), the scores
-are computed without autograd: the top-k choice is not differentiable, and the language-model loss
-gives the indexer no gradient. DeepSeek trains it with a KL loss towards the attention's own
-distribution (MindFormers: ``dsa_indexer_loss_coeff``), which is not implemented yet, so lit_moe
-keeps the indexer's weights as loaded (``docs/families.md``).
+The index scores follow transformers' ``DeepseekV32Indexer`` (the reference the logits are checked
+against). The top-k choice is not differentiable, so the language-model loss gives the indexer no
+gradient. With ``dsa_indexer_loss_coeff > 0`` (the sparse stage, ``dsa_indexer_use_sparse_loss: true``)
+a training forward also computes DeepSeek-V3.2's indexer loss (:func:`indexer_kl_loss`): for each query
+t with selected keys S_t,
+
+    L_I = coeff * mean_t KL( p[t, S_t] || softmax(I[t, S_t]) ),
+    p[t, S_t] = sum over heads of the main attention's probabilities on S_t, L1-renormalised,
+
+with the target detached and the indexer's inputs detached from the main model, so the indexer is
+trained by L_I only and the rest of the model by the language-model loss only.
 """
 
 from __future__ import annotations
@@ -53,8 +59,11 @@ class LightningIndexer(nn.Module):
         # the sliding window of this layer's attention (-1: none), which the keys' mask rows follow
         self.window_left = int(c.window_size[0]) if c.uses_window(layer_idx) else -1
         self.hooks = ModelHooks()   # the model's (context parallel gathers the keys)
+        # DeepSeek-V3.2's indexer loss: its weight, and this forward's loss (coefficient included; read
+        # and cleared by the model, like the MoE balancing loss)
+        self.loss_coeff = float(c.dsa_indexer_loss_coeff or 0.0)
+        self.loss: Optional[torch.Tensor] = None
 
-    @torch.no_grad()
     def keys(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
         """One key per token ``[B, S, D]``, rotated at the tokens' positions."""
         k = self.k_norm(self.wk(x))
@@ -62,7 +71,6 @@ class LightningIndexer(nn.Module):
             k = apply_rotary_half(k, cos, sin, self.use_fused_rope)
         return k
 
-    @torch.no_grad()
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
                sin: Optional[torch.Tensor], k: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Index scores ``[B, S, S_k]`` (fp32) of every query (rows) against every key ``k`` (columns;
@@ -81,19 +89,50 @@ class LightningIndexer(nn.Module):
             out += weights[:, :, h, None] * F.relu(torch.bmm(q[:, :, h], k_t) * self.scale)
         return out
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: Optional[torch.Tensor],
-                sin: Optional[torch.Tensor], allowed: Any) -> torch.Tensor:
-        """``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each query's top-k keys.
-        With ``hooks.indexer_keys`` (context parallel) the keys are the whole sequence's and the
-        result ``[B or 1, 1, S, S_k]`` has a column per key of the whole sequence."""
+                sin: Optional[torch.Tensor], allowed: Any, with_grad: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(selected, scores)``: ``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each
+        query's top-k keys, and the index scores ``[B, S, S_k]`` (fp32; with autograd when ``with_grad``,
+        for the indexer loss). With ``hooks.indexer_keys`` (context parallel) the keys are the whole
+        sequence's and ``selected`` ``[B or 1, 1, S, S_k]`` has a column per key of the whole sequence."""
         B, S, _ = x.shape
-        k = self.keys(x, cos, sin)
-        if self.hooks.indexer_keys is not None:
-            k, allowed = self.hooks.indexer_keys(k, allowed, self.window_left)
-        elif allowed is None:
-            allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
-        scores = self.scores(x, q_latent, cos, sin, k).masked_fill(~allowed[:, 0], float("-inf"))
-        chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
-        selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
-        return allowed & selected[:, None]
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            k = self.keys(x, cos, sin)
+            if self.hooks.indexer_keys is not None:
+                k, allowed = self.hooks.indexer_keys(k, allowed, self.window_left)
+            elif allowed is None:
+                allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
+            index_scores = self.scores(x, q_latent, cos, sin, k)
+        with torch.no_grad():
+            scores = index_scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
+            chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
+            selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
+        return allowed & selected[:, None], index_scores
+
+
+def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, selected: torch.Tensor) -> torch.Tensor:
+    """The indexer loss's target ``[B, S, S_k]`` (fp32, detached: the loss must not train the attention):
+    the main attention's probabilities ``softmax(scale q.k)`` over each query's selected keys (``selected
+    [B or 1, 1, S, S_k]``), summed over the heads of ``query [B, heads, S, d]`` / ``key [B, heads, S_k, d]``
+    and L1-renormalised; 0 on a row with no key. One head at a time: ``[B, S, S_k]`` at most besides
+    the result."""
+    query, key = query.detach(), key.detach()
+    sel = selected[:, 0]
+    total = torch.zeros(query.shape[0], query.shape[2], key.shape[2], dtype=torch.float32, device=query.device)
+    for h in range(query.shape[1]):
+        logits = torch.matmul(query[:, h].float(), key[:, h].float().transpose(-1, -2)) * scale
+        total += torch.softmax(logits.masked_fill(~sel, float("-inf")), dim=-1).nan_to_num(0.0)
+    return total / total.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """``mean_t KL(target[t] || softmax(scores[t] over S_t))`` over every query row of ``scores
+    [B, S, S_k]`` (a row with no selected key counts 0), S_t the keys ``selected [B or 1, 1, S, S_k]``
+    marks; ``target`` (:func:`attention_target`) is 0 off S_t."""
+    sel = selected[:, 0]
+    # a finite floor (not -inf) off S_t: a row with nothing selected stays finite in the backward too
+    log_q = torch.log_softmax(scores.masked_fill(~sel, torch.finfo(scores.dtype).min), dim=-1)
+    log_p = target.clamp_min(torch.finfo(target.dtype).tiny).log()
+    kl = (target * (log_p - log_q)).masked_fill(~sel, 0.0).sum(-1)
+    return kl.mean()

@@ -5,7 +5,10 @@ Training objective = ``loss + aux_loss + mtp_loss`` where
 - ``loss``: masked mean cross-entropy (fp32) of the main head,
 - ``aux_loss``: sum over MoE layers of their balancing losses (coefficient included; an MTP layer's
   counts 1/D),
-- ``mtp_loss``: ``mtp_loss_scaling_factor / D`` times the sum of the per-depth masked mean CEs.
+- ``mtp_loss``: ``mtp_loss_scaling_factor / D`` times the sum of the per-depth masked mean CEs,
+- ``indexer_loss`` (DeepSeek-V3.2, ``dsa_indexer_loss_coeff > 0``, training forwards): the sum over the
+  lightning indexers (MTP layers' included, each weight 1 as in MindFormers) of ``coeff`` times the
+  mean over the micro-batch's query tokens of the indexer's KL loss (``lit_moe/model/indexer.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import block_norm
 from lit_moe.model.hooks import ModelHooks
 from lit_moe.model.hyper_connections import build_collapse, build_decoder_layer, expand_streams
+from lit_moe.model.indexer import LightningIndexer
 from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
@@ -43,6 +47,9 @@ class CausalLMOutput:
     """Sum of the MoE balancing losses, coefficient included (0 when none apply)."""
     mtp_loss: Optional[torch.Tensor] = None
     """lambda / D * sum_k CE_k (with labels; 0 without MTP)."""
+    indexer_loss: Optional[torch.Tensor] = None
+    """DeepSeek-V3.2: sum over the indexers of their KL losses, coefficient included (a training forward
+    with ``dsa_indexer_loss_coeff > 0``; None otherwise). Trains the indexers only."""
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -84,6 +91,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         # kept as plain lists: the MoE objects survive wrapping (checkpoint, FSDP, compile)
         self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
         self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
+        self._indexers = [m for m in self.modules() if isinstance(m, LightningIndexer)]   # MTP layers' too
         for part in self.modules():   # every part with hooks (blocks, MoE layers, indexers) shares the model's
             if isinstance(getattr(part, "hooks", None), ModelHooks):
                 part.hooks = self.hooks
@@ -197,6 +205,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                     mtp_aux = mtp_aux / len(self.mtp)
                     aux = mtp_aux if aux is None else aux + mtp_aux
         out.aux_loss = aux if aux is not None else h.new_zeros((), dtype=torch.float32)
+        out.indexer_loss = self._take_indexer_loss()
         return out
 
     def _inputs(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor],
@@ -282,6 +291,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                 and self.hooks.plain_loss() and not any(map(self.hooks.breaks_graphs, (self.norm, self.lm_head)))):
             return compiled(fn)
         return fn
+
+    def _take_indexer_loss(self) -> Optional[torch.Tensor]:
+        terms = [m.loss for m in self._indexers if m.loss is not None]
+        for m in self._indexers:
+            m.loss = None
+        return torch.stack(terms).sum() if terms else None
 
     @staticmethod
     def _take_aux(moes: list[MoE]) -> Optional[torch.Tensor]:
