@@ -646,14 +646,17 @@ def main(args: Optional[list[str]] = None) -> int:
 
 
 def _close_process_group() -> None:
-    """After a finished fit: every rank waits for the others, then closes its connections. A rank
-    that exits while a peer's gloo thread still finishes the last pipeline transfers tore that
-    peer down ("terminate called without an active exception", seen under pipeline_parallel 4)."""
+    """After a finished fit: every rank waits for the others, then closes its connections and joins
+    its communication threads (``release_process_groups``). A rank that exits while a peer's gloo
+    thread still finishes the last pipeline transfers tore that peer down ("terminate called without
+    an active exception", seen under pipeline_parallel 4)."""
     import torch.distributed as dist
+
+    from lit_moe.runtime.distributed import release_process_groups
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

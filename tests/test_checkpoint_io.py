@@ -77,6 +77,8 @@ def _child(rank: int, world: int, root: str, tag: str, action: str, path: str) -
 
     sharded.CHUNK_BYTES = CHUNK
     dist.init_process_group("gloo", init_method=f"file://{root}/rdv-{tag}", rank=rank, world_size=world)
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     mesh = init_device_mesh("cpu", (world,))
     model, optim = _state(mesh, "model."), _state(mesh, "0/")
     result: dict = {}

@@ -181,6 +181,8 @@ def worker_main(names: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     torch.set_num_threads(1)
     for name in names:
         result = run_layout(name)

@@ -68,6 +68,8 @@ def worker_main(out_dir: str) -> None:
     from lit_moe.strategies.parallelize import parallelize
 
     dist.init_process_group("gloo")
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     torch.set_num_threads(1)
     rank = dist.get_rank()
     tok = tokens()[rank:rank + 1]

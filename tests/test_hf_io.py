@@ -158,6 +158,8 @@ def _child(rank: int, world: int, root: str) -> None:
     from lit_moe.model import DeepseekV3ForCausalLM
 
     dist.init_process_group("gloo", init_method=f"file://{root}/rdv", rank=rank, world_size=world)
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for name in ("bf16", "fp8"):

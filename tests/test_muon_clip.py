@@ -290,6 +290,8 @@ def _dp_worker(rank, port, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     try:
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(CFG).train()

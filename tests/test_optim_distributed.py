@@ -40,6 +40,8 @@ def _worker(rank, store_file, out_path):
     torch.set_num_threads(1)
     # a file rendezvous: no port to pick (a port picked free can be taken before rank 0 binds it)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     try:
         dense = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
         experts = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "efsdp"))

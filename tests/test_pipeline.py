@@ -401,6 +401,8 @@ def worker(world: int, out_dir: str, only: list[str]) -> None:
     from test_step_layouts import counting_collectives
 
     dist.init_process_group("gloo")
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     try:
         for name, spec in LAYOUTS.items():
             if spec["world"] == world and (not only or name in only):

@@ -224,6 +224,8 @@ def _worker(hf_dir: str, ckpt_dir: str, configs: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     runs = [(config, hf_dir, mode, extra) for config in configs
             for mode, extra in (("greedy", []), ("sampled", SAMPLING))] + [(configs[-1], ckpt_dir, "greedy", [])]
     for config, checkpoint, mode, extra in runs:

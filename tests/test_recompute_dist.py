@@ -74,6 +74,8 @@ def worker(rank: int, store_file: str):
 
     # a file rendezvous: no port to pick (a port picked free can be taken before rank 0 binds it)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
+    release_process_groups_at_exit()  # no gloo thread outlives the interpreter
     torch.set_num_threads(1)
     group = dist.group.WORLD
     calls = CALLS  # calls of the gather functions (each call is one collective on the 2 ranks)

@@ -5,6 +5,8 @@ Bottom layer: imports nothing from ``lit_moe``.
 
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Optional
 
 import torch
@@ -31,3 +33,27 @@ def global_rank() -> int:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds: a DTensor's local tensor, any other tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def release_process_groups() -> None:
+    """Destroy torch.distributed's groups and collect what still holds them (device meshes and
+    DTensors in reference cycles), so every gloo worker thread is joined while Python still runs.
+
+    A gloo worker drops each finished collective right after the caller's wait returns; when that
+    drop frees a Python-owned tensor it needs the GIL. If the interpreter is already shutting down,
+    Python ends the thread in C++ code that may not be unwound and the process aborts (SIGABRT,
+    "terminate called without an active exception") after a run that finished."""
+    if is_distributed():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+_RELEASE_AT_EXIT: list[bool] = []
+
+
+def release_process_groups_at_exit() -> None:
+    """Run ``release_process_groups`` when the interpreter exits (registered once per process):
+    called wherever a process group is created."""
+    if not _RELEASE_AT_EXIT:
+        atexit.register(release_process_groups)
+        _RELEASE_AT_EXIT.append(True)

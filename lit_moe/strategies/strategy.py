@@ -28,6 +28,7 @@ from torch import nn
 
 from lit_moe.checkpoint.resume import IterationResume
 from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.runtime.distributed import release_process_groups_at_exit
 from lit_moe.runtime.launch import check_built_world
 from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
@@ -114,6 +115,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
                                     world_size=1, timeout=self._timeout,
                                     device_id=device if device.type != "cpu" else None)
         super()._setup_distributed()
+        release_process_groups_at_exit()
 
     def _make_parallel_dims(self, world_size: int) -> ParallelDims:
         dims = ParallelDims.from_config(self.parallelism, world_size)

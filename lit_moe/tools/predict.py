@@ -164,6 +164,7 @@ def start_processes() -> str:
     import torch
     import torch.distributed as dist
 
+    from lit_moe.runtime.distributed import release_process_groups_at_exit
     from lit_moe.strategies.accelerators import default_backend
 
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -172,6 +173,7 @@ def start_processes() -> str:
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(default_backend(device))
+        release_process_groups_at_exit()
     return device
 
 
