@@ -238,7 +238,11 @@ class ParallelismConfig:
     unsharded gradients locally and synchronise once per optimizer step (less communication). No
     effect with ``data_parallel_shard_strategy: optim`` (always once per step)."""
     process_group_timeout_s: int = 600
-    """Collective timeout in seconds: a dead rank ends the job with an error instead of a hang."""
+    """Collective timeout in seconds: a dead or stuck rank ends the job with an error instead of a
+    hang. It applies to every group of the run: the default one, each device-mesh dimension (tp, ep,
+    cp, fsdp, ...), context parallel's and the pipeline's groups (torch would give those its own
+    default, 30 minutes for gloo and 10 for NCCL). Set on gloo and NCCL groups; on other backends
+    (Ascend's HCCL) the groups after the default one keep the backend's own default."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -369,3 +369,24 @@ def test_non_finite_norm_leaves_gradients_alone():
     norm = clip_grad_norm_([p], 1.0)
     assert not torch.isfinite(norm)
     assert p.grad[0] == 1.0 and p.grad[2] == 2.0
+
+
+def test_every_mesh_group_gets_the_collective_timeout():
+    """torch creates a device mesh's groups with its own default timeout (30 minutes for gloo), not the
+    default group's: ``build_meshes`` gives each the run's ``process_group_timeout_s``, so a rank stuck
+    in a tensor/expert/context-parallel collective ends the job in that time. Real gloo (one rank)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lit_moe.strategies.parallel_dims import ParallelDims
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=99))
+    try:
+        meshes = ParallelDims(1).build_meshes("cpu", timeout=timedelta(seconds=42))
+        got = {(name, dim): mesh.get_group(dim)._get_backend(torch.device("cpu")).options._timeout
+               for name, mesh in meshes.items() for dim in range(mesh.ndim)}
+        assert set(got.values()) == {timedelta(seconds=42)}, got
+        assert len(got) > 10
+    finally:
+        dist.destroy_process_group()

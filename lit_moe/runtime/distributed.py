@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import warnings
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -34,6 +36,23 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds: a DTensor's local tensor, any other tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
+
+def set_group_timeout(timeout: Optional[timedelta], *groups: Optional[dist.ProcessGroup]) -> None:
+    """Give ``groups`` the run's collective timeout (None: leave them as they are).
+
+    torch creates every group after the default one (device-mesh dimensions, ``new_group``) with its
+    own default, 30 minutes for gloo and 10 for NCCL, not the default group's timeout: a rank stuck in
+    a tensor-, expert- or context-parallel collective would hold its peers that long."""
+    if timeout is None:
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    with warnings.catch_warnings():
+        # torch sets timeouts of gloo and NCCL groups only; others (HCCL, fake) keep their backend's own
+        warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+        for group in groups:
+            if group is not None:
+                _set_pg_timeout(timeout, group)
 
 def release_process_groups() -> None:
     """Destroy torch.distributed's groups and collect what still holds them (device meshes and

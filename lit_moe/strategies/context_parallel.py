@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
+from lit_moe.runtime.distributed import set_group_timeout
 from lit_moe.strategies import comm
 from lit_moe.strategies.parallel_dims import check_parallel_layout, cp_ulysses_degree
 
@@ -362,7 +363,9 @@ def _subgroups(dims, u: int):
     if u == dims.cp:
         return cp_mesh.get_group(), None
     split = cp_mesh._unflatten(0, (dims.cp // u, u), ("cp_ring", "cp_ulysses"))
-    return split["cp_ulysses"].get_group(), split["cp_ring"].get_group()
+    ulysses, ring = split["cp_ulysses"].get_group(), split["cp_ring"].get_group()
+    set_group_timeout(dims.collective_timeout, ulysses, ring)
+    return ulysses, ring
 
 
 def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 from lit_moe.config import ConfigError
@@ -57,6 +58,8 @@ class ParallelDims:
     dp_replicate: int = field(init=False, default=1)
     dp: int = field(init=False, default=1)
     meshes: dict = field(init=False, default_factory=dict, repr=False)
+    collective_timeout: Optional[timedelta] = field(init=False, default=None, repr=False)
+    """``parallelism.process_group_timeout_s``, given to every group this run creates (build_meshes)."""
 
     @classmethod
     def from_config(cls, parallelism: Any, world_size: int) -> "ParallelDims":
@@ -202,12 +205,15 @@ class ParallelDims:
     # ------------------------------------------------------------------------------------------
     # meshes
     # ------------------------------------------------------------------------------------------
-    def build_meshes(self, device_type: str) -> dict:
+    def build_meshes(self, device_type: str, timeout: Optional[timedelta] = None) -> dict:
         """Create the device meshes (needs an initialised default process group of ``world_size``).
 
         Every mesh is an ``_unflatten`` of one 1-D world mesh, so all of them share a root and FSDP,
-        tensor- and expert-parallel DTensors can be combined."""
+        tensor- and expert-parallel DTensors can be combined. ``timeout``: the collective timeout of
+        every mesh's groups (and of the groups CP and the pipeline create later)."""
         from torch.distributed.device_mesh import init_device_mesh
+
+        from lit_moe.runtime.distributed import set_group_timeout
 
         R, S, C, T, E, P = self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep, self.pp
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
@@ -236,6 +242,9 @@ class ParallelDims:
             # the ranks of one stage (everything but pp): gradient norms per stage
             self.meshes["stage"] = batch["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
         self._check_meshes()
+        self.collective_timeout = timeout
+        for mesh in self.meshes.values():
+            set_group_timeout(timeout, *(mesh.get_group(d) for d in range(mesh.ndim)))
         return self.meshes
 
     def _check_meshes(self) -> None:

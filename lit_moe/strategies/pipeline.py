@@ -31,6 +31,7 @@ forward, the aux loss' gradient ``1/A`` injected backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
@@ -595,7 +596,7 @@ class PipelineParallel:
                                                 config, reduce_in_fp32)
         rest = dims.world_size // dims.pp   # the world mesh is [pp, everything else], row-major
         pipelines = [[p * rest + j for p in range(dims.pp)] for j in range(rest)]
-        group = embedding_group(layout, pipelines, config.num_nextn_predict_layers > 0)
+        group = embedding_group(layout, pipelines, config.num_nextn_predict_layers > 0, dims.collective_timeout)
         return cls(dims, layout, container, parts, group)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -794,7 +795,8 @@ def pipeline_grad_norm(params: Sequence[nn.Parameter], stage_group, pp_group,
     return sq.sqrt()
 
 
-def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], has_mtp: bool):
+def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], has_mtp: bool,
+                    timeout: Optional[timedelta] = None):
     """With MTP: a group of the ranks holding the first and the last stage, for every pipeline
     (``pipelines``: the global ranks of each, in pipeline-rank order; every rank takes part in
     creating all groups). Returns this rank's group, or None (no MTP, or both stages on one rank,
@@ -806,7 +808,7 @@ def embedding_group(layout: PipelineLayout, pipelines: Sequence[Sequence[int]], 
     me = dist.get_rank()
     for ranks in pipelines:
         pair = [ranks[first], ranks[last]]
-        group = dist.new_group(pair)
+        group = dist.new_group(pair, timeout=timeout)
         if me in pair:
             mine = group
     return mine

@@ -98,7 +98,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self._setup_distributed()
         check_built_world(self.expected_world_size, self.world_size)
         dims = self._make_parallel_dims(self.world_size)
-        dims.build_meshes(self.root_device.type)
+        dims.build_meshes(self.root_device.type, timeout=self._timeout)
         self._parallel_dims = dims
         self._device_mesh = dims.mesh("batch")
         assert self.lightning_module is not None
