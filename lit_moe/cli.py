@@ -34,6 +34,7 @@ from lit_moe.config import (
     SwapConfig,
     TrainDatasetConfig,
     TrainingConfig,
+    build_section,
     section_defaults,
     suggest,
     to_dict,
@@ -276,17 +277,6 @@ def _check_accelerator_available(name: str) -> None:
                           "library is not installed)")
 
 
-def _as_dataclass(value: Any, cls: type) -> Any:
-    if isinstance(value, cls):
-        return value
-    if value is None:
-        return cls()
-    if isinstance(value, dict):
-        return cls(**value)
-    # jsonargparse Namespace
-    return cls(**{k: getattr(value, k) for k in value.__dict__ if not k.startswith("_")})
-
-
 def build_run(cfg: Any) -> Run:
     """Validate every section and build the run's pieces, before any large allocation."""
     import lightning.pytorch as pl
@@ -304,15 +294,15 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.strategies.plan import check_layout
 
     run = Run(cfg)
-    training: TrainingConfig = _as_dataclass(cfg.get("training"), TrainingConfig)
-    parallelism: ParallelismConfig = _as_dataclass(cfg.get("parallelism"), ParallelismConfig)
-    recompute: RecomputeConfig = _as_dataclass(cfg.get("recompute"), RecomputeConfig)
-    recompute_comm: RecomputeCommConfig = _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig)
-    swap: SwapConfig = _as_dataclass(cfg.get("swap"), SwapConfig)
-    checkpoint: CheckpointConfig = _as_dataclass(cfg.get("checkpoint"), CheckpointConfig)
-    train_dataset: TrainDatasetConfig = _as_dataclass(cfg.get("train_dataset"), TrainDatasetConfig)
+    training: TrainingConfig = build_section(TrainingConfig, cfg.get("training"), "training")
+    parallelism: ParallelismConfig = build_section(ParallelismConfig, cfg.get("parallelism"), "parallelism")
+    recompute: RecomputeConfig = build_section(RecomputeConfig, cfg.get("recompute"), "recompute")
+    recompute_comm: RecomputeCommConfig = build_section(RecomputeCommConfig, cfg.get("recompute_comm"), "recompute_comm")
+    swap: SwapConfig = build_section(SwapConfig, cfg.get("swap"), "swap")
+    checkpoint: CheckpointConfig = build_section(CheckpointConfig, cfg.get("checkpoint"), "checkpoint")
+    train_dataset: TrainDatasetConfig = build_section(TrainDatasetConfig, cfg.get("train_dataset"), "train_dataset")
     monitor: MonitorConfig = cfg.get("monitor")
-    profiler: ProfilerConfig = _as_dataclass(cfg.get("profiler"), ProfilerConfig)
+    profiler: ProfilerConfig = build_section(ProfilerConfig, cfg.get("profiler"), "profiler")
     context: ContextConfig = cfg.get("context")
     model_section = dict(cfg.get("model") or {})
     optimizer_section = dict(cfg.get("optimizer") or {})
@@ -355,7 +345,7 @@ def build_run(cfg: Any) -> Run:
     dims = shape.dims
     check_not_yet_sections(swap, recompute, cfg)
     for line in no_effect_notes({"checkpoint": checkpoint, "parallelism": parallelism, "train_dataset": train_dataset,
-                                 "profiler": profiler, "context": _as_dataclass(context, ContextConfig)}, cfg):
+                                 "profiler": profiler, "context": build_section(ContextConfig, context, "context")}, cfg):
         print_note(line)
 
     from lit_moe.strategies.recompute import validate_recompute
@@ -517,14 +507,14 @@ def check_sections(cfg: Any) -> None:
     from lit_moe.optim.schedules import build_lr_lambda
     from lit_moe.strategies.recompute import validate_recompute
 
-    training = _as_dataclass(cfg.get("training"), TrainingConfig)
+    training = build_section(TrainingConfig, cfg.get("training"), "training")
     _check_training(training)
     model_section = dict(cfg.get("model") or {})
     if not model_section:
         raise ConfigError("model: the section is missing or empty")
     model_config = DeepseekV3Config(**read_pynative_model_section(model_section))
-    validate_recompute(_as_dataclass(cfg.get("recompute"), RecomputeConfig),
-                       _as_dataclass(cfg.get("recompute_comm"), RecomputeCommConfig), model_config.total_layers)
+    validate_recompute(build_section(RecomputeConfig, cfg.get("recompute"), "recompute"),
+                       build_section(RecomputeCommConfig, cfg.get("recompute_comm"), "recompute_comm"), model_config.total_layers)
     build_lr_lambda(dict(cfg.get("lr_scheduler") or {}), training.steps)
     optimizer_section = dict(cfg.get("optimizer") or {})
     _check_optimizer(optimizer_section)

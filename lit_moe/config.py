@@ -703,6 +703,9 @@ def build_section(cls: type, value: Any, where: str) -> Any:
         return cls()
     if dataclasses.is_dataclass(value):
         return value
+    if hasattr(value, "__dict__") and not isinstance(value, dict):
+        # a section LightningCLI already parsed (a jsonargparse Namespace): its public keys
+        value = {k: v for k, v in vars(value).items() if not k.startswith("_")}
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {value!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}

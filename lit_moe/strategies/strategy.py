@@ -27,7 +27,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
 from lit_moe.checkpoint.resume import IterationResume
-from lit_moe.config import CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig
+from lit_moe.config import (CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
+                             build_section)
 from lit_moe.runtime.distributed import release_process_groups_at_exit
 from lit_moe.runtime.launch import check_built_world
 from lit_moe.step import StepStrategy
@@ -70,9 +71,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         expected_world_size: Optional[int] = None,
         **lightning_kwargs: Any,
     ) -> None:
-        parallelism = parallelism if parallelism is not None else ParallelismConfig()
-        if isinstance(parallelism, dict):
-            parallelism = ParallelismConfig(**parallelism)
+        parallelism = build_section(ParallelismConfig, parallelism, "parallelism")
         check_parallelism_section(parallelism)
         lightning_kwargs.setdefault("timeout", timedelta(seconds=parallelism.process_group_timeout_s))
         lightning_kwargs.pop("data_parallel_size", None)

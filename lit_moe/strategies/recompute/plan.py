@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import warnings
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
-from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig, parse_layer_specs
+from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig, build_section, parse_layer_specs
 
 
 log = logging.getLogger(__name__)
@@ -51,19 +50,6 @@ class RecomputePlan:
         return any(layer_id in layers and re.fullmatch(p, FSDP_ALL_GATHER) for p, layers in self.comm)
 
 
-def _as_section(value: Any, cls: type, name: str) -> Any:
-    """Accept the dataclass, a plain dict (``{"mode": "full", ...}``) or None."""
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"{name}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        return cls(**value)
-    raise ConfigError(f"{name}: expected a mapping, got {value!r}")
-
-
 def _normalise_mode(mode: Any) -> Optional[str]:
     if mode is None:
         return None
@@ -99,8 +85,8 @@ def validate_recompute(recompute: RecomputeConfig | dict | None, recompute_comm:
                        total_layers: int) -> RecomputePlan:
     """Check both sections against a model of ``total_layers`` layers (decoder plus MTP) without
     building anything; raise :class:`ConfigError` naming the field, or return the expanded plan."""
-    recompute = _as_section(recompute, RecomputeConfig, "recompute")
-    recompute_comm = _as_section(recompute_comm, RecomputeCommConfig, "recompute_comm")
+    recompute = build_section(RecomputeConfig, recompute, "recompute")
+    recompute_comm = build_section(RecomputeCommConfig, recompute_comm, "recompute_comm")
     full: tuple[int, ...] = ()
     select: tuple = ()
     comm: tuple = ()
