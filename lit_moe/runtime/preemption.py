@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
+from lit_moe.step import StepStrategy
+
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
                             getattr(signal, "SIGUSR1", None)) if s is not None)
 _STOPPED_BY: dict[str, Optional[int]] = {"signal": None}
@@ -147,7 +149,9 @@ class Preemption(Callback):
         self._install()   # from here on a signal stops the start-up (Lightning composes it into its own)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
             # collective: every rank runs setup
-            self._group = dist.new_group(backend="gloo", timeout=getattr(trainer.strategy, "_timeout", None))
+            strategy = trainer.strategy
+            timeout = strategy.collective_timeout if isinstance(strategy, StepStrategy) else None
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After Lightning registered its own handlers (Trainer._run), so these replace them.
