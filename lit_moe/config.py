@@ -241,8 +241,10 @@ class ParallelismConfig:
     """Collective timeout in seconds: a dead or stuck rank ends the job with an error instead of a
     hang. It applies to every group of the run: the default one, each device-mesh dimension (tp, ep,
     cp, fsdp, ...), context parallel's and the pipeline's groups (torch would give those its own
-    default, 30 minutes for gloo and 10 for NCCL). Set on gloo and NCCL groups; on other backends
-    (Ascend's HCCL) the groups after the default one keep the backend's own default."""
+    default, 30 minutes for gloo and 10 for NCCL). The start-up rendezvous is no collective: it waits
+    for every rank's start-up at least 10 minutes (this timeout when longer). Both on gloo and NCCL; on
+    other backends (Ascend's HCCL) the rendezvous uses this timeout and the groups after the default one
+    keep the backend's own default."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,10 +23,13 @@ STEP = re.compile(r"step (\d+)/(\d+) \| loss ([0-9.]+)")
 
 class DieOnRankOne(Callback):
     """At optimizer step ``at`` global rank 1 dies (``exit``: no clean-up, like a crashed host) or
-    stops answering (``hang``: sleeps, like a stuck device)."""
+    stops answering (``hang``: sleeps, like a stuck device); ``late_s``: rank 1 starts that much later
+    (built while the configuration is read, before the rendezvous)."""
 
-    def __init__(self, at: int = 1, how: str = "exit"):
+    def __init__(self, at: int = 1, how: str = "exit", late_s: float = 0.0):
         self.at, self.how = at, how
+        if os.environ.get("LOCAL_RANK") == "1":
+            time.sleep(late_s)   # rank 1 reaches the rendezvous ``late_s`` after its start-up
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == 1 and trainer.global_step >= self.at:
@@ -129,14 +132,17 @@ def test_save_path_not_shared_by_the_ranks_stops_at_start_up(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["hang"])
 def test_devices_two_and_a_stuck_rank_ends_the_job(tmp_path, how):
-    """Rank 1 stops answering after step 1; rank 0's next collective times out after
-    ``parallelism.process_group_timeout_s`` and the run ends with an error (the default 30-minute
-    torch timeout would look like a hang)."""
-    # also bounds the start-up rendezvous: room for the second process to import (about 7 s on a
-    # quiet machine: 15 s, stretched by the load as that import is; each second here is waited for)
-    timeout_s = round(scaled(15))
+    """Rank 1 starts late (longer than the collective timeout: the rendezvous waits for it) and stops
+    answering after step 1; rank 0's next collective times out after ``parallelism.process_group_timeout_s``
+    and the run ends with an error (the default 30-minute torch timeout would look like a hang)."""
+    # Shorter than the second process's start-up (about 7 s of imports on a quiet machine): the
+    # rendezvous waits at least STARTUP_RENDEZVOUS for it, the collectives after it this timeout (room
+    # for the ranks' skew between two collectives, stretched by the load; each second here is waited for)
+    timeout_s = round(scaled(5))
     cfg = tiny_config(tmp_path, steps=50, parallelism={"expert_parallel": 2, "process_group_timeout_s": timeout_s})
-    cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne", "init_args": {"at": 1, "how": how}}]
+    # rank 1 also reaches the rendezvous later than the collective timeout: the start-up waits for it
+    cfg["callbacks"] = [{"class_path": "test_strategy_launch.DieOnRankOne",
+                         "init_args": {"at": 1, "how": how, "late_s": timeout_s + 3}}]
     path = write_config(tmp_path, cfg)
     cmd = [sys.executable, "-m", "lit_moe.cli", "fit", "--config", str(path), "--trainer.devices", "2",
            "--trainer.accelerator", "cpu"]

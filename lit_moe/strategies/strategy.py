@@ -29,13 +29,17 @@ from torch import nn
 from lit_moe.checkpoint.resume import IterationResume
 from lit_moe.config import (CheckpointConfig, ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
                              build_section)
-from lit_moe.runtime.distributed import release_process_groups_at_exit
+from lit_moe.runtime.distributed import release_process_groups_at_exit, set_group_timeout
 from lit_moe.runtime.launch import check_built_world
 from lit_moe.step import StepStrategy
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
 from lit_moe.strategies.clip import global_grad_norm
 from lit_moe.strategies.parallel_dims import SHARD_STRATEGIES, ParallelDims, ParallelismError, is_zero1
+
+
+STARTUP_RENDEZVOUS = timedelta(minutes=10)
+"""The least time the start-up rendezvous waits for every rank (``process_group_timeout_s`` when longer)."""
 
 
 class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
@@ -104,16 +108,27 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _setup_distributed(self) -> None:
-        if (self.num_nodes * self.num_processes == 1 and "MASTER_PORT" not in os.environ
-                and not dist.is_initialized()):
-            # One process outside a launcher needs no rendezvous: an in-memory store, not the TCP port
-            # Lightning would pick free and bind a moment later (another process can take it in
-            # between: EADDRINUSE). Lightning's setup below sees the group and keeps it.
-            device = self.root_device
-            dist.init_process_group(self._get_process_group_backend(), store=dist.HashStore(), rank=0,
-                                    world_size=1, timeout=self._timeout,
-                                    device_id=device if device.type != "cpu" else None)
-        super()._setup_distributed()
+        # The rendezvous waits for every rank's start-up (imports from a busy node or a slow shared file
+        # system, the nodes of one job starting apart) at least STARTUP_RENDEZVOUS; the collective
+        # timeout applies from the first collective on. Only where torch can shorten a group's timeout
+        # afterwards (gloo, NCCL): elsewhere the rendezvous keeps the collective timeout.
+        collective = self._timeout
+        if collective is not None and self._get_process_group_backend() in ("gloo", "nccl"):
+            self._timeout = max(collective, STARTUP_RENDEZVOUS)
+        try:
+            if (self.num_nodes * self.num_processes == 1 and "MASTER_PORT" not in os.environ
+                    and not dist.is_initialized()):
+                # One process outside a launcher needs no rendezvous: an in-memory store, not the TCP
+                # port Lightning would pick free and bind a moment later (another process can take it
+                # in between: EADDRINUSE). Lightning's setup below sees the group and keeps it.
+                device = self.root_device
+                dist.init_process_group(self._get_process_group_backend(), store=dist.HashStore(), rank=0,
+                                        world_size=1, timeout=self._timeout,
+                                        device_id=device if device.type != "cpu" else None)
+            super()._setup_distributed()
+        finally:
+            self._timeout = collective
+        set_group_timeout(collective, dist.group.WORLD)
         release_process_groups_at_exit()
 
     def _make_parallel_dims(self, world_size: int) -> ParallelDims:
