@@ -412,15 +412,15 @@ def _aux_loss_is_averaged_over_data_parallel_ranks(rec: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
-    """torchrun, 2 ranks, ``process_group_timeout_s: 12``; rank 1 takes 1.2× the timeout to write its files (0.6× before each of its two tensor files; 12 s scaled by the load).
+    """torchrun, 2 ranks, ``process_group_timeout_s: 6``; rank 1 takes 1.2× the timeout to write its files (0.6× before each of its two tensor files; 6 s scaled by the load).
     Rank 0 waits for it for the timeout plus the checkpoint's bytes at the granted write rate (here
-    1 kB/s, so ~2 MB gives ample time) instead of failing the save after 12 s."""
+    1 kB/s, so ~2 MB gives ample time) instead of failing the save after 6 s."""
     import subprocess
 
-    # the timeout also bounds the start-up rendezvous: torchrun starts both ranks at once, so it
-    # covers the difference of their imports (seconds), not a whole import: 12 s on a quiet machine,
-    # stretched on a busy one, and the slow writer with it (0.6 of the timeout before each of its two files)
-    timeout_s = round(helpers.scaled(12))
+    # the start-up rendezvous waits longer (STARTUP_RENDEZVOUS); the timeout covers the ranks' skew
+    # between two collectives: 6 s on a quiet machine, stretched on a busy one, and the slow writer with
+    # it (0.6 of the timeout before each of its two files)
+    timeout_s = round(helpers.scaled(6))
     cfg_path = config(tmp_path, "slow.yaml", steps=2,
                       callbacks=[("SlowWriter", {"rank": 1, "seconds": 0.6 * timeout_s, "floor": 1000.0})])
     cfg = helpers.yaml.safe_load(cfg_path.read_text())
