@@ -36,10 +36,10 @@ SKIP_AT = 2
 
 
 def _layout(world, *, shard=-1, tp=1, cp=1, ep=1, accumulation=1, sync=True, skip=False, compile=False,
-            cp_method="colossal", cp_async=False, family="deepseek_v3", strategy="optim_grads_params"):
+            cp_method="colossal", u=None, cp_async=False, family="deepseek_v3", strategy="optim_grads_params"):
     return dict(world=world, shard=shard, tp=tp, cp=cp, ep=ep, accumulation=accumulation, sync=sync, skip=skip,
                 mtp=0 if cp > 1 or not family.startswith("deepseek_v3") else 1, compile=compile,
-                cp_method=cp_method, cp_async=cp_async, family=family, strategy=strategy)
+                cp_method=cp_method, u=u, cp_async=cp_async, family=family, strategy=strategy)
 
 
 # The other families' sections: the same sizes with grouped-query attention and their routers.
@@ -96,6 +96,10 @@ LAYOUTS = {
     # DeepSeek-V3.2's indexer (replicated, no gradient) beside the head-sharded MLA under tensor parallel,
     # its keys all-gathered over context parallel (zig-zag chunks back in sequence order)
     "v32_cp2_tp2": _layout(4, cp=2, tp=2, family="deepseek_v32"),
+    # ... under ulysses (each rank attends all S queries for half the heads: the selection rows of the
+    # other rank's queries are gathered) and asynchronous hybrid (ulysses pairs, keys gathered across them)
+    "v32_cp2_ulysses": _layout(2, cp=2, cp_method="ulysses", family="deepseek_v32"),
+    "v32_cp4_hybrid_async": _layout(4, cp=4, cp_method="hybrid", u=2, cp_async=True, family="deepseek_v32"),
     # DeepSeek-V3.2's indexer loss (each rank's mean over its tokens, averaged) under FSDP + expert parallel
     "v32_loss_dp2_ep2": _layout(2, ep=2, family="deepseek_v32_loss"),
     # DeepSeek-V4's pieces (hash router, mHC streams, its attention) under FSDP + context + tensor + expert
@@ -281,7 +285,8 @@ def run_layout(name: str) -> list[dict]:
     spec = dict(LAYOUTS[name], dp=dp_size(LAYOUTS[name]))
     parallelism = ParallelismConfig(data_parallel_shard=spec["shard"], tensor_parallel=spec["tp"],
                                     context_parallel=spec["cp"], expert_parallel=spec["ep"],
-                                    context_parallel_method=spec["cp_method"], context_parallel_async=spec["cp_async"],
+                                    context_parallel_method=spec["cp_method"], ulysses_degree_in_cp=spec["u"],
+                                    context_parallel_async=spec["cp_async"],
                                     gradient_sync_every_microbatch=spec["sync"],
                                     data_parallel_shard_strategy=spec["strategy"])
     strategy = AscendFSDPStrategy(parallelism=parallelism,
