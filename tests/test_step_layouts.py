@@ -106,6 +106,11 @@ LAYOUTS = {
     # parallel: heads, sinks and head groups split over tp, compressors, indexer and mHC weights replicated
     # (partial gradients); the attention's keys and compressed windows over the cp-gathered sequence
     "v4_cp2_tp2_ep2": _layout(4, cp=2, tp=2, ep=2, family="deepseek_v4"),
+    # ... under ulysses: each rank attends every query for half the heads (and their sinks), over the
+    # keys both build from the gathered sequence, with the other rank's query rows of the mask gathered
+    "v4_cp2_ulysses": _layout(2, cp=2, cp_method="ulysses", family="deepseek_v4"),
+    # ... and hybrid (ulysses pairs: each rank's heads are its place in its pair's)
+    "v4_cp4_hybrid": _layout(4, cp=4, cp_method="hybrid", u=2, family="deepseek_v4"),
 }
 
 

@@ -324,12 +324,26 @@ def _gathered(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Ten
     return _in_sequence_order(_concatenated(t, group, size, dim=1), size)
 
 
-def _gathered_rows(selected: torch.Tensor, group: dist.ProcessGroup, u: int) -> torch.Tensor:
-    """DeepSeek-V3.2's selection rows ``[B or 1, 1, S/cp, S]`` of the ``u`` ranks of a ulysses group →
-    those of the group's queries ``[B or 1, 1, u·S/cp, S]``, in rank order (the order of the
-    queries after the all-to-all, ``query_chunks``). Each row was chosen by the rank holding its
-    query, against every key of the sequence: the same top-k as in one process."""
-    return _concatenated(selected.to(torch.uint8), group, u, dim=2).bool()   # (gloo gathers no bool)
+def _gathered_rows(rows: torch.Tensor, group: dist.ProcessGroup, u: int, dim: int = 2) -> torch.Tensor:
+    """The boolean mask rows (along ``dim``) of this rank's queries, e.g. DeepSeek-V3.2's selection
+    ``[B or 1, 1, S/cp, S]`` → those of the ulysses group's queries ``[B or 1, 1, u·S/cp, S]``, in
+    rank order (the order of the queries after the all-to-all, ``query_chunks``). Each row was made
+    by the rank holding its query, against every key of the sequence: for the indexer, the same
+    top-k as in one process."""
+    return _concatenated(rows.to(torch.uint8), group, u, dim=dim).bool()   # (gloo gathers no bool)
+
+
+def head_shards(attend, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                group: dist.ProcessGroup, u: int, rank: int) -> torch.Tensor:
+    """The model's ``hooks.head_shards`` (DeepSeek-V4's attention under ulysses / hybrid): this rank's
+    queries ``[B, S/cp, h, d]`` (all its heads) → the ulysses group's queries for this rank's
+    ``h/u`` heads (all-to-all), attended over the whole sequence's keys ``kv`` (the same on every
+    rank) with the group's mask rows and those heads' sinks; the output goes back by the reverse
+    all-to-all. ``rank``: this rank's place in the ulysses group (its block of heads)."""
+    q = comm.all_to_all_dims(q, group, scatter_dim=2, gather_dim=1)           # [B, u·S/cp, h/u, d]
+    heads = q.shape[2]
+    out = attend(q, kv, _gathered_rows(allowed, group, u, dim=1), sinks[rank * heads:(rank + 1) * heads])
+    return comm.all_to_all_dims(out, group, scatter_dim=1, gather_dim=2)
 
 
 def _query_rows(masks: ShardMasks, rank: int, size: int, window_left: int) -> torch.Tensor:
@@ -454,6 +468,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
         hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
     if getattr(config, "v4_attention", False):
         hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
+        if u > 1:
+            hooks.head_shards = functools.partial(head_shards, group=ulysses_group, u=u, rank=rank % u)
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",
