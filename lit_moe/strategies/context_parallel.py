@@ -51,6 +51,9 @@ model, and only attention sees the other ranks' tokens.
   chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
   with those rows of the sequence's mask (:func:`whole_sequence`, the model's ``hooks.whole_sequence``).
+  Under ``ulysses`` / ``hybrid`` its sink attention runs on the ulysses group's queries for this
+  rank's ``heads/u`` heads (:func:`head_shards`, the model's ``hooks.head_shards``: all-to-all of the
+  queries and back, the group's mask rows gathered, the keys already whole); not asynchronous.
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
