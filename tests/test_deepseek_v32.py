@@ -125,18 +125,19 @@ def test_refused_by_name(changes, message):
         DeepseekV3Config(**{**V32, **changes})
 
 
-def test_ulysses_context_parallel_refused_and_predict_refused():
+def test_every_context_parallel_method_accepted_and_predict_refused():
     from lit_moe.config import ParallelismConfig
     from lit_moe.tools.predict import check_model
     from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError, check_parallel_layout
 
     c = DeepseekV3Config(**V32)
     dims = ParallelDims(world_size=2, cp=2)
-    dims.validate_model(c, SEQ)   # the all-gather method runs (v32_cp2_tp2 in test_step_layouts.py)
+    dims.validate_model(c, SEQ)
+    # every method runs: v32_cp2_tp2, v32_cp2_ulysses and v32_cp4_hybrid_async in test_step_layouts.py
     check_parallel_layout(ParallelismConfig(context_parallel=2), dims, c)
-    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
-                                               r"experimental_attention_variant 'dsa' is not supported \("):
-        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, c)
+    check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, c)
+    check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
+                          ParallelDims(world_size=4, cp=4), c)
     # the indexer loss: data/expert parallel and FSDP only
     lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
     check_parallel_layout(ParallelismConfig(data_parallel_shard=2), ParallelDims(world_size=2, dp_shard=2), lossy)

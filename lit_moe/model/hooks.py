@@ -69,6 +69,13 @@ class ModelHooks:
     None: the tokens are the whole sequence. Context parallel: all-gathered over the cp ranks into
     sequence order (backward: each rank's gradient summed back to its tokens)."""
 
+    head_shards: Optional[Callable[..., torch.Tensor]] = None
+    """``(attend, this rank's queries [B, S, h, d], keys [B, S_k, d], their allowed mask [B, S, S_k],
+    per-head sinks [h]) -> attend's output for those queries [B, S, h, d]``, for DeepSeek-V4's attention,
+    where ``attend(q, k, allowed, sinks)`` is the sink attention of any queries and heads. None:
+    ``attend`` on the arguments. Ulysses / hybrid context parallel: the queries of the ulysses group
+    and this rank's ``h/u`` heads meet (all-to-all there and back, the mask rows gathered)."""
+
     breaks_graphs: Callable[[nn.Module], bool] = own_graph_breaks
     """``(module) -> whether a compiled function calling it would break its graph there`` (the
     ``torch_compile`` switch compiles a smaller function then, :mod:`lit_moe.model.compile`). Default:

@@ -238,10 +238,17 @@ class V4Attention(nn.Module):
                 entry_mask = visible_entries(position_ids, entries.shape[1], self.rate)
             kv = torch.cat([kv, entries.to(kv.dtype)], dim=1)
             allowed = torch.cat([allowed, entry_mask], dim=-1)
-        out = sink_attention(q.transpose(1, 2), kv, allowed, self.sinks, self.scale,
-                             self.attention_dropout, self.training).transpose(1, 2)      # [B, S, h, d]
+        if self.hooks.head_shards is not None:   # ulysses context parallel: heads split over the cp ranks
+            out = self.hooks.head_shards(self._attend, q, kv, allowed, self.sinks)
+        else:
+            out = self._attend(q, kv, allowed, self.sinks)                              # [B, S, h, d]
         out = rotate_trailing(out, cos[:, :, None], -sin[:, :, None])
         return self.o_b_proj(self.o_a_proj(out.reshape(B, S, -1, self.o_a_proj.in_features)))
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """:func:`sink_attention` of queries ``[B, S, h, d]`` (any of them, any heads with their ``sinks``)."""
+        return sink_attention(q.transpose(1, 2), kv, allowed, sinks, self.scale, self.attention_dropout,
+                              self.training).transpose(1, 2)
 
     def _local_mask(self, position_ids: torch.Tensor, key_positions: torch.Tensor,
                     full_mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -41,12 +41,19 @@ model, and only attention sees the other ranks' tokens.
 * **DeepSeek-V3.2's indexer** ranks each query against every key of the sequence: its keys (one
   per token, ``index_head_dim`` wide) are all-gathered over cp and put in sequence order, each
   query's top-k is chosen among the keys its global position allows (:func:`indexer_keys`, the
-  model's ``hooks.indexer_keys``), and the all-gather attention meets the selection's rows
-  (``context_parallel_method: colossal`` only).
+  model's ``hooks.indexer_keys``): each rank selects for its own queries, with the indexer's
+  own heads and weights, before any exchange of the attention's heads. The all-gather
+  attention (``colossal``) meets the selection's rows as they are; under ``ulysses`` and
+  ``hybrid`` the query rows of the ulysses group are all-gathered over it (a boolean
+  ``[B, 1, u·S/cp, S]``), so each rank masks its heads' attention over the group's queries with
+  the selection made where each query lives (:func:`_gathered_rows`).
 * **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
   chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
   with those rows of the sequence's mask (:func:`whole_sequence`, the model's ``hooks.whole_sequence``).
+  Under ``ulysses`` / ``hybrid`` its sink attention runs on the ulysses group's queries for this
+  rank's ``heads/u`` heads (:func:`head_shards`, the model's ``hooks.head_shards``: all-to-all of the
+  queries and back, the group's mask rows gathered, the keys already whole); not asynchronous.
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
@@ -203,11 +210,14 @@ class ContextParallelAttention(nn.Module):
         # context), else the masks are the shard's latest; the exact rows of the whole sequence are
         # built here. A tensor: DeepSeek-V3.2's indexer selection, this rank's queries (local order)
         # against every key of the sequence ([B or 1, 1, S/cp, S], :func:`indexer_keys`), the mask
-        # rows themselves (all-gather only: refused with ulysses)
+        # rows themselves (with ulysses: gathered to the rows of the group's queries)
         masks = allowed if isinstance(allowed, ShardMasks) else self.shard.current
         selected = allowed if isinstance(allowed, torch.Tensor) else None
+        if selected is not None and self.u > 1:
+            # the queries of the whole ulysses group meet their keys here: their selection rows too
+            selected = _gathered_rows(selected, self.ulysses_group, self.u)
         if self.asynchronous:
-            return self._forward_async(q, k, v, masks)
+            return self._forward_async(q, k, v, masks, selected)
         if self.u > 1:
             q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
         out = self._attend(q, k, v, masks, selected)
@@ -218,7 +228,8 @@ class ContextParallelAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks,
                 selected: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: this group's query chunks, k/v: this group's (ulysses) or all (gathered) key chunks;
-        ``selected``: the allowed keys of each query (the indexer's, module docstring)."""
+        ``selected``: the allowed keys of each of those queries (the indexer's, module docstring;
+        rows in ``query_chunks`` order, every key of the sequence in sequence order)."""
         if self.groups > 1:
             k, v = self.all_gather(k), self.all_gather(v)
         k = _reorder(k, self.key_chunks, self.sorted_keys)
@@ -227,7 +238,11 @@ class ContextParallelAttention(nn.Module):
         S, c = masks.seq, masks.chunk
         if self.groups == 1:   # every position is here: one call over the whole sequence
             q = _reorder(q, self.query_chunks, self.sorted_keys)
-            out = self.inner(q, k, v, masks.mask(0, S, S, self.window_left))
+            if selected is not None:   # its rows already hold the causal (window, document) rules
+                mask = _reorder(selected, self.query_chunks, self.sorted_keys)
+            else:
+                mask = masks.mask(0, S, S, self.window_left)
+            out = self.inner(q, k, v, mask)
             self._count(heads, S * (S + 1) // 2, S * S)
             return _reorder(out, self.sorted_keys, self.query_chunks)
         outs = []
@@ -258,7 +273,8 @@ class ContextParallelAttention(nn.Module):
         self.shard.work["pairs"] += heads * pairs
         self.shard.work["scores"] += heads * scores
 
-    def _forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks) -> torch.Tensor:
+    def _forward_async(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks,
+                       selected: Optional[torch.Tensor]) -> torch.Tensor:
         """Two head groups: group g+1's all-to-alls run while group g's attention computes."""
         group = self.ulysses_group
         parts = 2 if q.shape[1] % (2 * self.u) == 0 else 1
@@ -281,7 +297,8 @@ class ContextParallelAttention(nn.Module):
             in_flight = (len(upcoming[1]) if p + 1 < parts else 0) + len(out_handles)
             self.shard.in_flight_max = max(self.shard.in_flight_max, in_flight)
             qp, kp, vp = (comm.finish_all_to_all_dims(b, 2) for b in blocks)
-            outs.append(comm.start_all_to_all_dims(self._attend(qp, kp, vp, masks), group, 2, out_handles))
+            outs.append(comm.start_all_to_all_dims(self._attend(qp, kp, vp, masks, selected), group, 2,
+                                                     out_handles))
         for h in out_handles:
             h.wait()
         return torch.cat([comm.finish_all_to_all_dims(b, 1) for b in outs], dim=1)
@@ -299,11 +316,38 @@ def _in_sequence_order(t: torch.Tensor, size: int) -> torch.Tensor:
     return _reorder(t, order, sorted(order), dim=1)
 
 
+def _concatenated(t: torch.Tensor, group: dist.ProcessGroup, size: int, dim: int) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim`` in rank order (no autograd)."""
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    comm._all_gather_single(out, t.contiguous(), group)                       # [size·B, ...]
+    return torch.cat(list(out.view(size, *t.shape).unbind(0)), dim=dim)
+
+
 def _gathered(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     """Every cp rank's ``t [B, S/cp, ...]`` (no autograd), in sequence order ``[B, S, ...]``."""
-    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    comm._all_gather_single(out, t.contiguous(), group)                       # [cp·B, S/cp, ...]
-    return _in_sequence_order(torch.cat(list(out.view(size, *t.shape).unbind(0)), dim=1), size)
+    return _in_sequence_order(_concatenated(t, group, size, dim=1), size)
+
+
+def _gathered_rows(rows: torch.Tensor, group: dist.ProcessGroup, u: int, dim: int = 2) -> torch.Tensor:
+    """The boolean mask rows (along ``dim``) of this rank's queries, e.g. DeepSeek-V3.2's selection
+    ``[B or 1, 1, S/cp, S]`` → those of the ulysses group's queries ``[B or 1, 1, u·S/cp, S]``, in
+    rank order (the order of the queries after the all-to-all, ``query_chunks``). Each row was made
+    by the rank holding its query, against every key of the sequence: for the indexer, the same
+    top-k as in one process."""
+    return _concatenated(rows.to(torch.uint8), group, u, dim=dim).bool()   # (gloo gathers no bool)
+
+
+def head_shards(attend, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                group: dist.ProcessGroup, u: int, rank: int) -> torch.Tensor:
+    """The model's ``hooks.head_shards`` (DeepSeek-V4's attention under ulysses / hybrid): this rank's
+    queries ``[B, S/cp, h, d]`` (all its heads) → the ulysses group's queries for this rank's
+    ``h/u`` heads (all-to-all), attended over the whole sequence's keys ``kv`` (the same on every
+    rank) with the group's mask rows and those heads' sinks; the output goes back by the reverse
+    all-to-all. ``rank``: this rank's place in the ulysses group (its block of heads)."""
+    q = comm.all_to_all_dims(q, group, scatter_dim=2, gather_dim=1)           # [B, u·S/cp, h/u, d]
+    heads = q.shape[2]
+    out = attend(q, kv, _gathered_rows(allowed, group, u, dim=1), sinks[rank * heads:(rank + 1) * heads])
+    return comm.all_to_all_dims(out, group, scatter_dim=1, gather_dim=2)
 
 
 def _query_rows(masks: ShardMasks, rank: int, size: int, window_left: int) -> torch.Tensor:
@@ -430,6 +474,8 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
         hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
     if getattr(config, "v4_attention", False):
         hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
+        if u > 1:
+            hooks.head_shards = functools.partial(head_shards, group=ulysses_group, u=u, rank=rank % u)
 
 
 __all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",

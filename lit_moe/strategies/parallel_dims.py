@@ -498,11 +498,12 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
         variant = getattr(model_config, "experimental_attention_variant", None)
-        if degree > 1 and variant in ("dsa", "dsv4_hybrid"):
+        if degree > 1 and variant == "dsv4_hybrid" and p.context_parallel_async:
+            # its head exchange (context_parallel.head_shards) runs between its own key computation and
+            # output rotation, outside the core attention whose head groups the async exchange pipelines
             raise ParallelismError(
-                f"parallelism.context_parallel_method: {p.context_parallel_method!r} with model."
-                f"experimental_attention_variant {variant!r} is not supported (its keys are gathered to this "
-                "rank's queries, which only 'colossal' keeps on their rank)")
+                f"parallelism.context_parallel_async: true with model.experimental_attention_variant {variant!r} "
+                "is not supported (DeepSeek-V4's attention exchanges its heads synchronously); set it to false")
     if getattr(model_config, "dsa_indexer_loss_coeff", None) and (dims.tp > 1 or dims.cp > 1 or dims.pp > 1):
         # its target sums the attention over every head of the whole sequence's keys, and its loss
         # would have to leave a pipeline stage that is not the last
