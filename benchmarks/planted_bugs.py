@@ -71,6 +71,11 @@ BUGS: list[Bug] = [
     Bug("rendezvous_bounded_by_the_collective_timeout", "resilience (start-up)", "lit_moe/strategies/strategy.py",
         "            self._timeout = max(collective, STARTUP_RENDEZVOUS)\n", "            pass\n",
         ("tests/test_strategy_launch.py", "-k", "stuck")),
+    Bug("consumed_samples_of_other_data_multiply", "data sampling (consumed samples)", "lit_moe/module.py",
+        "        return self._samples_counted or 0\n",
+        "        return (self.trainer.global_step * self.accumulation_steps * self.training_config.local_batch_size\n"
+        "                * self.step_strategy.parallel_dims.dp)\n",
+        ("tests/test_callbacks_module.py", "-k", "consumed_samples")),
     Bug("preemption_left_acting_after_failed_fit", "resilience (signal handlers)", "lit_moe/runtime/preemption.py",
         "        if self not in _ACTIVE:\n", "        if False:\n",
         ("tests/test_resilience.py", "-k", "failed_fit")),

@@ -76,6 +76,7 @@ class LitMoE(LightningModule):
         self.training_config = training
         self.accumulation_steps = int(accumulation_steps)
         self._step_samples = 0   # this rank's samples of the current (or last) step
+        self._samples_counted: Optional[int] = None   # global samples so far, without a MegatronDataModule
         self.weights_loader = weights_loader
         from lit_moe.lora import check_lora_targets, lora_settings
 
@@ -192,19 +193,23 @@ class LitMoE(LightningModule):
     def consumed_samples(self) -> int:
         """Global samples trained on so far: the DataModule's sampler position (what its loader's saved
         state holds and a resume continues after), the run's one consumed-samples number. With other
-        data: steps × the samples of one step (accumulation × local batch × data parallel)."""
+        data: the samples of this run's steps as they came (micro-batches × their samples × data parallel),
+        after the steps before a resume counted at the size of this run's first step."""
         from lit_moe.data import MegatronDataModule
 
         dm = self.trainer.datamodule
         if isinstance(dm, MegatronDataModule):
             return dm.consumed_samples
-        return (self.trainer.global_step * self.accumulation_steps * self.training_config.local_batch_size
-                * self.step_strategy.parallel_dims.dp)
+        return self._samples_counted or 0
 
     def training_step(self, batch: list[Batch], batch_idx: int = 0) -> None:
         """One optimizer step; ``batch``: the step's micro-batches on the device."""
         self.accumulation_steps = len(batch)
         self._step_samples = sum(int(b["input_ids"].shape[0]) for b in batch)
+        step_samples = self._step_samples * self.step_strategy.parallel_dims.dp
+        if self._samples_counted is None:
+            self._samples_counted = self.trainer.global_step * step_samples
+        self._samples_counted += step_samples
         self._reset_step_accumulators()
         self.forward_backward(batch)
         self._finish_optimizer_step()

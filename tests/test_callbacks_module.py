@@ -161,3 +161,20 @@ def test_step_time_is_wall_time_and_layer_aux_is_the_step_mean(tmp_path, one_pro
         assert m.step_time >= pause
         micro = torch.tensor(rec.aux[2 * (step - 1): 2 * step], dtype=torch.float64)   # [2, layers]
         torch.testing.assert_close(m.moe.aux_loss, micro.mean(0) / coeff, rtol=1e-6, atol=0)
+
+
+def test_consumed_samples_of_other_data_are_the_steps_as_they_came(one_process_strategy):
+    """Without lit_moe's DataModule, each step's consumed samples add the samples that step trained on
+    (micro-batches x their samples): steps of 2, 1 and 3 micro-batches of 2 samples give 4, 6, 12
+    (not steps x the last step's size: 4, 4, 18)."""
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randint(0, VOCAB, (n, 2, SEQ + 1), generator=g) for n in (2, 1, 3)]
+    data = DataLoader([[{"input_ids": mb[:, :-1], "labels": mb[:, 1:]} for mb in step] for step in steps],
+                      batch_size=None)
+    snap = Snapshot()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=one_process_strategy(), max_epochs=1,
+                        limit_train_batches=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, callbacks=[snap])   # the steps in this order
+    trainer.fit(tiny_module(3), data)
+    assert [snap.metrics[k].consumed_samples for k in (1, 2, 3)] == [4, 6, 12]
