@@ -37,10 +37,11 @@ output recompute) and :mod:`.apply` (putting a plan on a model and taking it off
 """
 
 from lit_moe.strategies.recompute.apply import apply_recompute, fsdp_reshard_after_forward, remove_recompute
+from lit_moe.strategies.recompute.hooks import regions
 from lit_moe.strategies.recompute.paths import addressable_paths
 from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputePlan, RecomputeWarning, validate_recompute
 
 __all__ = [
     "FSDP_ALL_GATHER", "RecomputePlan", "RecomputeWarning", "addressable_paths", "apply_recompute",
-    "fsdp_reshard_after_forward", "remove_recompute", "validate_recompute",
+    "fsdp_reshard_after_forward", "regions", "remove_recompute", "validate_recompute",
 ]

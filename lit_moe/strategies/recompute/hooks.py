@@ -22,6 +22,11 @@ class _AroundCall:
     (its bound hook methods, so that a deep copy of the module copies the region with it), or
     called directly around ``call`` (a plain callable)."""
 
+    # a region opened in a pre-hook and closed in a post-hook cannot be traced by dynamo (and a
+    # recompute runs eagerly): a compiled function of the model leaves a module carrying one out
+    # (lit_moe.model.compile.own_graph_breaks), as it leaves out modules with FSDP's hooks
+    breaks_compiled_graphs = True
+
     def __init__(self, call: Callable, path: str):
         self.call = call
         self.path = path
