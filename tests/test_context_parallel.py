@@ -163,7 +163,7 @@ def run_layout(name: str) -> dict:
     routed = []
     handles = [m.router.register_forward_pre_hook(lambda mod, a: routed.append(int(a[0].shape[0])))
                for m in model.moe_layers()]
-    shard = model.layers[0].self_attention.core_attention.shard   # every layer's attention shares it
+    shard = model.layers[0].self_attention.core_attention.context_parallel.shard   # every layer's attention shares it
     shard.work = {"pairs": 0, "scores": 0}
     tok = batches()[0]
     with torch.no_grad():

@@ -5,14 +5,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_moe.strategies.hooks import _STATE, around_forward
+from lit_moe.strategies.hooks import around_forward
 
 
 def test_states_do_not_pile_up_under_recompute_early_stop():
     lin = nn.Linear(4, 4)
     calls = []
-    around_forward(lin, lambda m, a, k: (a, k, "state"), lambda m, out, state: calls.append(state) or out)
-    stack = lin.__dict__[_STATE][0]
+    stack = around_forward(lin, lambda m, a, k: (a, k, "state"), lambda m, out, state: calls.append(state) or out).states
 
     def block(x):
         # nothing after the linear saves a tensor, so the recompute stops inside it

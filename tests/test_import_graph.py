@@ -151,12 +151,14 @@ REBOUND = {"loss_function", "shift_left", "context_parallel_inputs", "context_pa
 HOOK_FIELDS = {"shift_left", "aux_stats_reduce"}
 # the parallelisms, where no ``setattr`` may put anything on a module either
 PARALLELISMS = ("lit_moe/strategies/", "lit_moe/tools/predict.py")
-# the assignments to ``.forward`` and setattr calls that remain, per file: (count, why)
+# a module a parallelism must not replace (context parallel fills the core attention's
+# ``context_parallel`` slot): assigned only in an ``__init__``
+REPLACED = {"core_attention"}
+# the setattr calls that remain, per file: (count, why); recompute and the parallel steps work by
+# forward hooks, nothing assigns ``.forward``
 STILL_REBINDING = {
-    "lit_moe/strategies/recompute/apply.py": (4, "activation recompute wraps forward and communication "
-                                                 "attributes in place (parameter names unchanged); open"),
-    "lit_moe/strategies/recompute/hooks.py": (1, "_ModuleCall keeps the module's original forward"),
-    "lit_moe/strategies/hooks.py": (1, "use_local_params marks a module it has hooked already"),
+    "lit_moe/strategies/recompute/apply.py": (2, "output recompute wraps a parallel step's communication "
+                                                 "function attribute, and puts it back on undo"),
 }
 
 
@@ -168,15 +170,19 @@ def _on_hooks(node: ast.Attribute) -> bool:
 
 def rebindings(source: str, parallelism: bool = True) -> list[str]:
     """``line: what`` for each assignment to a ``.forward`` or a :data:`REBOUND` attribute (not a
-    ``hooks`` field), each string naming one of the others, and in a ``parallelism`` each
-    ``setattr`` / ``__setattr__`` call."""
+    ``hooks`` field), or to a :data:`REPLACED` module outside an ``__init__``, each string naming
+    one of the others, and in a ``parallelism`` each ``setattr`` / ``__setattr__`` call."""
     found, assigned = [], set()
     tree = ast.parse(source)
+    in_init = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+               for n in ast.walk(f)}
     for node in ast.walk(tree):
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
         for target in targets:
             for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute) and t.attr in REPLACED and id(t) not in in_init:
+                    found.append(f"{node.lineno}: .{t.attr} =")
                 if isinstance(t, ast.Attribute) and (t.attr == "forward" or t.attr in REBOUND):
                     assigned.add(id(t))
                     if not _on_hooks(t):
@@ -197,9 +203,12 @@ def rebindings(source: str, parallelism: bool = True) -> list[str]:
 
 def test_the_rebinding_check_sees_each_form():
     planted = ("model.loss_function = f\nblock.forward = w\nsetattr(m, 'x', 1)\nobject.__setattr__(m, 'y', 2)\n"
-               "getattr(model, 'context_parallel_inputs', None)\nmoe.aux_stats_reduce(c)\na, m.shift_left = 1, g\n")
+               "getattr(model, 'context_parallel_inputs', None)\nmoe.aux_stats_reduce(c)\na, m.shift_left = 1, g\n"
+               "attn.core_attention = Wrapper(attn.core_attention)\n"
+               "class A:\n    def __init__(self):\n        self.core_attention = CoreAttention()\n")
     assert rebindings(planted) == ["1: .loss_function =", "2: .forward =", "3: setattr(", "4: __setattr__(",
-                                   "5: 'context_parallel_inputs'", "6: .aux_stats_reduce", "7: .shift_left ="]
+                                   "5: 'context_parallel_inputs'", "6: .aux_stats_reduce", "7: .shift_left =",
+                                   "8: .core_attention ="]
     assert rebindings("model.hooks.loss_share = share\nself.hooks = ModelHooks()\nhooks.shift_left = f\n"
                       "self.hooks.aux_stats_reduce(c)\n__all__ = ['shift_left']\n") == []
     assert rebindings("setattr(m, 'x', 1)\n", parallelism=False) == []

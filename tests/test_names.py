@@ -207,12 +207,12 @@ def test_lora_patterns_take_mindformers_and_hugging_face_names():
 
 
 def test_recompute_select_module_takes_mindformers_names():
-    from lit_moe.strategies.recompute import apply_recompute
+    from lit_moe.strategies.recompute import apply_recompute, regions
 
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, "num_hidden_layers": 2}))
     apply_recompute(model, {"mode": "select", "select_module": {r"self_attention\.linear_kvb": [0],
                                                                r"mlp\.linear_fc1": [0]}}, None)
-    wrapped = {f"{i}.{n}" for i, b in enumerate(model.blocks()) for n, m in b.named_modules() if "forward" in vars(m)}
+    wrapped = {f"{i}.{n}" for i, b in enumerate(model.blocks()) for n, m in b.named_modules() if regions(m)}
     assert wrapped == {"0.self_attention.kv_b_proj", "0.mlp.gate_proj", "0.mlp.up_proj"}
     with pytest.raises(ConfigError, match=r"recompute.select_module: 'self_attention\\\\.linear_kvbz' matches no module .*nearest: "
                                           r"self_attention\.kv_b_proj \(= self_attention\.linear_kvb\)"):

@@ -21,6 +21,7 @@ from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
 from lit_moe.strategies.recompute import (
     FSDP_ALL_GATHER, RecomputeWarning, addressable_paths, apply_recompute, fsdp_reshard_after_forward,
     remove_recompute, validate_recompute)
+from lit_moe.strategies.recompute.hooks import regions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("recompute_memory", ROOT / "benchmarks" / "recompute_memory.py")
@@ -272,10 +273,11 @@ def test_select_wraps_exactly_the_matches_and_keeps_names():
             r"mlp\.(router|w1)": ["1-2"],             # w1 is a parameter, not addressable
         }), None)
     wrapped = {f"{i}.{n}" if n else str(i) for i, b in enumerate(model.blocks())
-               for n, m in b.named_modules() if "forward" in vars(m)}
+               for n, m in b.named_modules() if regions(m)}
     assert wrapped == {"0.self_attention", "1.self_attention.q_proj", "1.mlp.router", "2.mlp.router",
                        "3.self_attention"}
-    assert model.mtp[0].layer.self_attention.forward.__class__.__name__ == "_CheckpointedForward"
+    assert [type(r).__name__ for r in regions(model.mtp[0].layer.self_attention)] == ["_Checkpointed"]
+    assert all("forward" not in vars(m) for m in model.modules())   # nothing rebound: forward hooks
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
 
 
@@ -294,18 +296,18 @@ def test_apply_is_idempotent_and_removable():
     model = make()
     rc = RecomputeConfig(mode="full", full_recompute_layer=["0-3"])
     apply_recompute(model, rc, None)
-    first = model.layers[0].forward
+    first = regions(model.layers[0])
     apply_recompute(model, rc, None)  # configure_model may run twice
-    assert model.layers[0].forward is first and first.call.module is model.layers[0]
+    assert regions(model.layers[0]) == first and len(first) == 1 and first[0].call.module is model.layers[0]
     with pytest.raises(RuntimeError, match="different recompute"):
         apply_recompute(model, RecomputeConfig(mode="full", full_recompute_layer=[0]), None)
     remove_recompute(model)
-    assert all("forward" not in vars(b) for b in model.blocks())
+    assert not any(regions(m) or m._forward_hooks for b in model.blocks() for m in b.modules())
     apply_recompute(model, None, {"enable": True, "select_module": {"self_attention.all_gather": [0]}})
     assert type(model.layers[0].self_attention.all_gather).__name__ == "_OutputRecomputed"
     remove_recompute(model)
     assert model.layers[0].self_attention.all_gather is fake_all_gather
-    assert "forward" not in vars(model.layers[0])
+    assert not regions(model.layers[0]) and not model.layers[0]._forward_hooks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,8 +511,8 @@ def test_deepcopy_of_a_recomputed_model_is_independent():
     model = make()
     apply_recompute(model, RecomputeConfig(mode="full", full_recompute_layer=["0-3"]), COMM)
     clone = copy.deepcopy(model)
-    assert clone.layers[0].forward.call.module is clone.layers[0]
-    assert clone.layers[0].forward.call.forward.__self__ is clone.layers[0]
+    region = regions(clone.layers[0])[0]
+    assert region.call.module is clone.layers[0] and region is not regions(model.layers[0])[0]
     assert_same(step(model, ids()), step(clone, ids()))
 
 
@@ -547,7 +549,8 @@ def test_hooks_present_at_apply_time_are_recomputed_with_the_forward(target):
     stack = hooked(model)
     apply_recompute(model, {"mode": "select", "select_module": {target: [1]}}, None)
     q = model.layers[1].self_attention.q_proj
-    assert target != "self_attention.q_proj" or not q._forward_pre_hooks  # moved into the wrapper
+    # the parallel step's hooks stay on the module, inside the region around them
+    assert len(q._forward_pre_hooks) == 1 + (target == "self_attention.q_proj")
     assert_same(ref, step(model, batch))
     assert stack == [] and isinstance(q._parameters["weight"], nn.Parameter)
     remove_recompute(model)

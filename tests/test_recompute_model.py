@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.strategies.recompute import apply_recompute
+from lit_moe.strategies.recompute import apply_recompute, regions
 
 # every pattern used here must select something
 pytestmark = pytest.mark.filterwarnings("error::lit_moe.strategies.recompute.RecomputeWarning")
@@ -108,7 +108,7 @@ def test_recompute_of_one_fused_projection():
     data = batch(base.config.vocab_size)
     model = copy.deepcopy(base)
     apply_recompute(model, {"mode": "select", "select_module": {r"self_attention\.q_a_proj": ["0-3"]}}, None)
-    assert "forward" in vars(model.layers[0].self_attention.q_a_proj)
+    assert regions(model.layers[0].self_attention.q_a_proj)
     ref, got = step(base, data), step(model, data)
     assert torch.equal(ref["loss"], got["loss"]) and torch.equal(ref["counts"], got["counts"])
     for name in ref["grads"]:
@@ -143,7 +143,7 @@ def test_recompute_runs_the_router_again_but_counts_once():
 def test_mtp_layer_is_addressed_after_the_decoder_layers():
     model = build()
     apply_recompute(model, {"mode": "select", "select_module": {"mlp": [3]}}, None)
-    wrapped = [n for n, m in model.named_modules() if "forward" in vars(m)]
+    wrapped = [n for n, m in model.named_modules() if regions(m)]
     assert wrapped == ["mtp.0.layer.mlp"]
 
 
@@ -172,7 +172,7 @@ def test_dropout_is_replayed_exactly():
     data = batch(base.config.vocab_size)
     model = copy.deepcopy(base)
     apply_recompute(model, {"mode": "full", "full_recompute_layer": ["0-3"]}, None)
-    assert model.layers[0].forward.preserve_rng_state
+    assert regions(model.layers[0])[0].preserve_rng_state
     torch.manual_seed(7)
     ref = step(base, data)
     torch.manual_seed(7)
@@ -182,4 +182,4 @@ def test_dropout_is_replayed_exactly():
 def test_no_rng_replay_without_dropout():
     model = build()
     apply_recompute(model, {"mode": "select", "select_module": {"mlp": ["0-3"]}}, None)
-    assert not model.layers[0].mlp.forward.preserve_rng_state
+    assert not regions(model.layers[0].mlp)[0].preserve_rng_state

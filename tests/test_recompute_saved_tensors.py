@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _ScopedForward
+from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _LayerScope
 
 
 class Gather:
@@ -45,7 +45,7 @@ def run(recompute: bool, dropout: float = 0.0, seed: int = 0):
     w = torch.randn(4, 5, requires_grad=True)
     gather = Gather(dropout)
     fn = _OutputRecomputed(gather, "gather") if recompute else gather
-    forward = _ScopedForward(layer(fn, w), "layers[0]") if recompute else layer(fn, w)
+    forward = _LayerScope(layer(fn, w), "layers[0]") if recompute else layer(fn, w)
     torch.manual_seed(seed + 1)
     y = forward(x)
     gc.collect()
@@ -83,7 +83,7 @@ def test_outside_a_scope_or_without_grad_it_is_the_plain_call():
     out = fn(x)                                  # no layer scope open: nothing recorded
     out.sum().backward()
     with torch.no_grad():
-        _ScopedForward(lambda t: fn(t), "layers[0]")(x)
+        _LayerScope(lambda t: fn(t), "layers[0]")(x)
     assert gather.calls == 2 and torch.equal(x.grad, torch.ones_like(x) * 2)
 
 
@@ -99,7 +99,7 @@ def test_a_scoped_layer_frees_its_graph_after_a_split_backward():
     saved = []
     m[1].register_forward_hook(lambda mod, i, o: saved.append(weakref.ref(o.untyped_storage())))
     x = torch.randn(4, 16, requires_grad=True)
-    out = _ScopedForward(m.forward, "m")(x)
+    out = _LayerScope(m.forward, "m")(x)
     param_groups = stage_backward_input([out], [torch.ones_like(out)], [x], m.parameters())[1]
     stage_backward_weight(m.parameters(), param_groups)
     del out, param_groups

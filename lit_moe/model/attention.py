@@ -11,7 +11,7 @@ sees earlier tokens of its own document.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,9 @@ def allowed_mask(batch: int, seq: int, device: torch.device, attention_mask: Opt
 class CoreAttention(nn.Module):
     """softmax(scale * q k^T + mask) v on ``[B, heads, S, d]`` tensors (d_v may differ from d_qk).
 
-    A module so that context parallelism can wrap or replace it.
+    Context parallelism fills :attr:`context_parallel` (and the communication steps it names, for
+    ``recompute_comm``); the module stays where it is, so its path selects the same attention with or
+    without it (``recompute.select_module``: ``self_attention.core_attention``).
     """
 
     def __init__(self, scale: float, attention_dropout: float = 0.0, use_flash_attention: bool = True,
@@ -138,9 +140,28 @@ class CoreAttention(nn.Module):
         # QK-clip (lit_moe.optim.qk_clip): per-head running maximum of the scaled logits while training
         self.track_max_logits = False
         self.max_logits: Optional[torch.Tensor] = None
+        # context parallelism (lit_moe.strategies.context_parallel.ContextParallelAttention):
+        # ``(q, k, v, allowed)`` of this rank's tokens -> their attention over the whole sequence,
+        # calling :meth:`attend` on the pieces; None: the tokens are the whole sequence
+        self.context_parallel: Optional[Callable[..., torch.Tensor]] = None
+        # its communication steps, set by it and called through this module (recompute_comm paths
+        # ``self_attention.core_attention.all_gather`` / ``.all_to_all``); None: not used
+        self.all_gather: Optional[Callable[..., torch.Tensor]] = None
+        self.all_to_all: Optional[Callable[..., torch.Tensor]] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    @property
+    def breaks_compiled_graphs(self) -> bool:
+        """Context parallel's asynchronous all-to-alls wait on handles (:mod:`lit_moe.model.compile`)."""
+        return bool(getattr(self.context_parallel, "asynchronous", False))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Any = None) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel(q, k, v, allowed)
+        return self.attend(q, k, v, allowed)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention of ``q`` over ``k``, ``v`` (``allowed``: the mask, None: causal)."""
         if self.track_max_logits and self.training:
             self.track_logits(q, k, allowed)
         dropout = self.attention_dropout if self.training else 0.0

@@ -71,10 +71,15 @@ def compile_enabled(torch_compile: Optional[bool], device: torch.device) -> bool
 
 def own_graph_breaks(module: torch.nn.Module) -> bool:
     """Whether a compiled function calling ``module`` would break its graph there by the module's own
-    account: it or a submodule says so (``breaks_compiled_graphs``: expert-parallel dispatch reads
-    split sizes on the host, context parallel's asynchronous all-to-alls wait on handles, dropping
-    over capacity cuts rows at a host-read count). Plain Python hooks are traced."""
-    return any(getattr(m, "breaks_compiled_graphs", False) for m in module.modules())
+    account: it or a submodule, or the owner of one of its forward pre-hooks, says so
+    (``breaks_compiled_graphs``: expert-parallel dispatch reads split sizes on the host, context
+    parallel's asynchronous all-to-alls wait on handles, dropping over capacity cuts rows at a
+    host-read count, a recompute region opens in one hook and closes in another). Plain Python hooks
+    are traced."""
+    return any(getattr(m, "breaks_compiled_graphs", False)
+               or any(getattr(getattr(h, "__self__", None), "breaks_compiled_graphs", False)
+                      for h in m._forward_pre_hooks.values())
+               for m in module.modules())
 
 
 _WARNED = False

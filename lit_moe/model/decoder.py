@@ -45,9 +45,11 @@ class DecoderLayer(nn.Module):
             return self._forward(x, ctx)
         # A half with a module that breaks compiled graphs (a MoE layer's experts are an FSDP unit on
         # the expert mesh; expert-parallel dispatch sends rows by host-known split sizes; asynchronous
-        # context parallel waits on communication handles) runs eagerly and the other is compiled
+        # context parallel waits on communication handles; a recompute region of a selected
+        # submodule) runs eagerly and the other is compiled
         # alone (TorchTitan also keeps MoE dispatch out of its compiled regions).
-        attention_ok = not self.hooks.breaks_graphs(self.self_attention)
+        attention_ok = not any(map(self.hooks.breaks_graphs, (self.input_layernorm, self.self_attention,
+                                                             self.pre_mlp_layernorm)))
         mlp_ok = not self.hooks.breaks_graphs(self.mlp)
         if attention_ok and mlp_ok:
             return compiled(DecoderLayer._forward)(self, x, ctx)

@@ -149,7 +149,7 @@ class HyperConnectionDecoderLayer(DecoderLayer):
 
     def forward(self, streams: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # compiled whole or not at all (the halves' split of DecoderLayer passes one tensor between them)
-        if compile_enabled(self.torch_compile, streams.device) and not any(map(self.hooks.breaks_graphs, (self.self_attention, self.mlp))):
+        if compile_enabled(self.torch_compile, streams.device) and not any(map(self.hooks.breaks_graphs, self.children())):
             return compiled(HyperConnectionDecoderLayer._forward)(self, streams, ctx)
         return self._forward(streams, ctx)
 

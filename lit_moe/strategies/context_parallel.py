@@ -13,8 +13,9 @@ model, and only attention sees the other ranks' tokens.
   That forward's masks (:class:`ShardMasks`) ride in its attention context: a pipeline schedule
   runs several micro-batches' forwards before a backward, and a recomputed layer must meet its own
   micro-batch's masks.
-* **Attention** (``parallelism.context_parallel_method``; each MLA's ``core_attention`` becomes a
-  :class:`ContextParallelAttention` around the original):
+* **Attention** (``parallelism.context_parallel_method``; each attention's ``core_attention`` gets a
+  :class:`ContextParallelAttention` in its ``context_parallel`` slot, which runs the core's own math
+  on the pieces; the module and its path stay):
 
   - ``colossal``: keys and values are all-gathered over cp (``core_attention.all_gather``; backward
     reduce-scatters). Each of the rank's two query chunks meets only the keys up to its own end.
@@ -176,36 +177,36 @@ class _Shard:
 # ----------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------
-class ContextParallelAttention(nn.Module):
-    """The original core attention (``inner``) on q, k, v of this rank's tokens ``[B, heads, S/cp, d]``,
-    attending over the whole sequence (see the module docstring for the methods)."""
+class ContextParallelAttention:
+    """A core attention's ``context_parallel`` (:class:`lit_moe.model.attention.CoreAttention`): q, k, v
+    of this rank's tokens ``[B, heads, S/cp, d]`` attending over the whole sequence, the core's own
+    math (``core.attend``) on the pieces (see the module docstring for the methods). Not a module: the
+    core stays the module (its path, its train/eval mode), this is the layout it runs in."""
 
-    def __init__(self, inner: nn.Module, shard: _Shard, cp_rank: int, cp: int, u: int,
+    def __init__(self, core: nn.Module, shard: _Shard, cp_rank: int, cp: int, u: int,
                  ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
                  window_left: int, asynchronous: bool):
-        super().__init__()
-        self.inner = inner
+        self.core = core
         self.shard = shard
         self.u, self.groups = u, cp // u
         self.window_left = window_left
-        self.asynchronous = asynchronous and u > 1
         # waiting on asynchronous all-to-all handles cannot be traced: the decoder layer compiles
-        # without its attention half (lit_moe.model.compile.own_graph_breaks)
-        self.breaks_compiled_graphs = self.asynchronous
+        # without its attention half (the core's ``breaks_compiled_graphs``)
+        self.asynchronous = asynchronous and u > 1
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
-        # named for recompute_comm (e.g. 'self_attention.core_attention.all_gather')
+        # the communication steps are the core's attributes, called through it, so that recompute_comm
+        # selects them by path ('self_attention.core_attention.all_gather') and can wrap them
         if self.groups > 1:
-            self.all_gather = functools.partial(comm.all_gather, group=ring_group, dim=2)
+            core.all_gather = functools.partial(comm.all_gather, group=ring_group, dim=2)
         if u > 1:
-            self.all_to_all = functools.partial(comm.all_to_all_dims, group=ulysses_group)
+            core.all_to_all = functools.partial(comm.all_to_all_dims, group=ulysses_group)
         first = (cp_rank // u) * u
         # chunk ids along the sequence dim: of the queries after the all-to-all, of the gathered keys
         self.query_chunks = _chunks_of((r, cp) for r in range(first, first + u))
         self.key_chunks = _chunks_of((r, cp) for r in range(cp)) if self.groups > 1 else self.query_chunks
         self.sorted_keys = sorted(self.key_chunks)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Any = None) -> torch.Tensor:
         # ``allowed``: this forward's ShardMasks (pipeline stages put them in the attention
         # context), else the masks are the shard's latest; the exact rows of the whole sequence are
         # built here. A tensor: DeepSeek-V3.2's indexer selection, this rank's queries (local order)
@@ -219,10 +220,10 @@ class ContextParallelAttention(nn.Module):
         if self.asynchronous:
             return self._forward_async(q, k, v, masks, selected)
         if self.u > 1:
-            q, k, v = (self.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
+            q, k, v = (self.core.all_to_all(t, scatter_dim=1, gather_dim=2) for t in (q, k, v))
         out = self._attend(q, k, v, masks, selected)
         if self.u > 1:
-            out = self.all_to_all(out, scatter_dim=2, gather_dim=1)
+            out = self.core.all_to_all(out, scatter_dim=2, gather_dim=1)
         return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: ShardMasks,
@@ -231,7 +232,7 @@ class ContextParallelAttention(nn.Module):
         ``selected``: the allowed keys of each of those queries (the indexer's, module docstring;
         rows in ``query_chunks`` order, every key of the sequence in sequence order)."""
         if self.groups > 1:
-            k, v = self.all_gather(k), self.all_gather(v)
+            k, v = self.core.all_gather(k), self.core.all_gather(v)
         k = _reorder(k, self.key_chunks, self.sorted_keys)
         v = _reorder(v, self.key_chunks, self.sorted_keys)
         heads = q.shape[1]
@@ -242,7 +243,7 @@ class ContextParallelAttention(nn.Module):
                 mask = _reorder(selected, self.query_chunks, self.sorted_keys)
             else:
                 mask = masks.mask(0, S, S, self.window_left)
-            out = self.inner(q, k, v, mask)
+            out = self.core.attend(q, k, v, mask)
             self._count(heads, S * (S + 1) // 2, S * S)
             return _reorder(out, self.sorted_keys, self.query_chunks)
         outs = []
@@ -250,20 +251,20 @@ class ContextParallelAttention(nn.Module):
             lo, hi = j * c, (j + 1) * c      # a causal query chunk meets the keys up to its end only
             q_j, k_j, v_j = q[:, :, i * c:(i + 1) * c], k[:, :, :hi], v[:, :, :hi]
             if selected is not None:   # its rows already hold the causal (window, document) rules
-                outs.append(self.inner(q_j, k_j, v_j, selected[:, :, i * c:(i + 1) * c, :hi]))
+                outs.append(self.core.attend(q_j, k_j, v_j, selected[:, :, i * c:(i + 1) * c, :hi]))
             elif masks.plain(self.window_left) and self._block_causal(q_j):
                 # the CPU causal kernel, for the last rows of a causal problem (skips the masked half)
-                outs.append(block_causal_attention(q_j, k_j, v_j, self.inner.scale, self.inner.softmax_dtype))
+                outs.append(block_causal_attention(q_j, k_j, v_j, self.core.scale, self.core.softmax_dtype))
             else:
-                outs.append(self.inner(q_j, k_j, v_j, masks.mask(lo, hi, hi, self.window_left)))
+                outs.append(self.core.attend(q_j, k_j, v_j, masks.mask(lo, hi, hi, self.window_left)))
             self._count(heads, c * lo + c * (c + 1) // 2, c * hi)
         return torch.cat(outs, dim=2)
 
     def _block_causal(self, q: torch.Tensor) -> bool:
         # where CoreAttention itself would take the CPU causal kernel for a plain causal call
-        inner = self.inner
-        dropout = inner.attention_dropout if self.training else 0.0
-        return inner.use_flash_attention and dropout == 0.0 and use_block_causal(q)
+        core = self.core
+        dropout = core.attention_dropout if core.training else 0.0
+        return core.use_flash_attention and dropout == 0.0 and use_block_causal(q)
 
     def _count(self, heads: int, pairs: int, scores: int) -> None:
         # Eager runs only: inside a compiled layer dynamo would guard on the counter's value and
@@ -303,8 +304,8 @@ class ContextParallelAttention(nn.Module):
             h.wait()
         return torch.cat([comm.finish_all_to_all_dims(b, 1) for b in outs], dim=1)
 
-    def extra_repr(self) -> str:
-        return f"ulysses={self.u}, all_gather_groups={self.groups}, async={self.asynchronous}"
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(ulysses={self.u}, all_gather_groups={self.groups}, async={self.asynchronous})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,10 +426,11 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
 
     for block in model.blocks():
         attn = block.self_attention
-        if not hasattr(attn, "core_attention"):   # DeepSeek-V4's attention: hooks.whole_sequence below
+        core = getattr(attn, "core_attention", None)
+        if core is None:   # DeepSeek-V4's attention: hooks.whole_sequence below
             continue
-        attn.core_attention = ContextParallelAttention(
-            attn.core_attention, shard, rank, size, u, ulysses_group, ring_group,
+        core.context_parallel = ContextParallelAttention(
+            core, shard, rank, size, u, ulysses_group, ring_group,
             window if getattr(attn, "use_window", False) else -1, parallelism.context_parallel_async)
 
     def reduce_stats(counts, prob_sums, tokens):

@@ -1,9 +1,10 @@
 """Activation recompute (``recompute``) and communication recompute (``recompute_comm``).
 
-Three ways a part of a decoder layer can trade compute for memory, all applied in place so that
-parameter names (FQNs) never change (checkpoints and the Hugging Face export rely on them):
+Three ways a part of a decoder layer can trade compute for memory, all applied by forward hooks on
+the selected modules (no ``forward`` is replaced, no module is wrapped), so that parameter names
+(FQNs) never change (checkpoints and the Hugging Face export rely on them):
 
-* **whole layer** (``recompute.full_recompute_layer``): the layer's ``forward`` runs under
+* **whole layer** (``recompute.full_recompute_layer``): the layer's call runs under
   non-reentrant activation checkpointing. Only the layer's inputs are kept; everything inside is
   recomputed in backward.
 * **selected module** (``recompute.select_module``, a module path such as ``self_attention``): the
@@ -22,23 +23,25 @@ layers ``L..L+M-1``. Paths are dotted module paths inside one such layer (``self
 attribute (``mlp.router.all_gather``). A regex must match a path fully (``re.fullmatch``).
 
 Order of application (TorchTitan): tensor/expert/context parallel first (so that their
-communication functions exist and can be matched), then this, then FSDP. Forward hooks a wrapped
-module already has (the parallel steps': parameter shards, sequence gathers) are moved inside the
+communication functions exist and can be matched), then this, then FSDP. Forward hooks a selected
+module already has (the parallel steps': parameter shards, sequence gathers) are inside the
 recomputed region and re-run with it; FSDP's hooks, added later, stay outside (they gather the
-parameters before the recompute in backward).
+parameters before the recompute in backward). FSDP asks the returned :class:`RecomputePlan` which
+layers re-gather their parameters (:func:`fsdp_reshard_after_forward`); nothing is left on the modules.
 Unlike MindFormers, which ignores these sections on one device, recompute works on one device.
 
 The package: :mod:`.plan` (the sections validated into a :class:`RecomputePlan`), :mod:`.paths`
-(what a layer's paths are and how patterns match them), :mod:`.hooks` (a wrapped module's forward
-with its hooks, and activation checkpointing of it), :mod:`.saved_tensors` (the saved-tensor engine of
+(what a layer's paths are and how patterns match them), :mod:`.hooks` (the forward-hook region around
+a module's call, what a re-run runs, and activation checkpointing), :mod:`.saved_tensors` (the saved-tensor engine of
 output recompute) and :mod:`.apply` (putting a plan on a model and taking it off).
 """
 
 from lit_moe.strategies.recompute.apply import apply_recompute, fsdp_reshard_after_forward, remove_recompute
+from lit_moe.strategies.recompute.hooks import regions
 from lit_moe.strategies.recompute.paths import addressable_paths
 from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputePlan, RecomputeWarning, validate_recompute
 
 __all__ = [
     "FSDP_ALL_GATHER", "RecomputePlan", "RecomputeWarning", "addressable_paths", "apply_recompute",
-    "fsdp_reshard_after_forward", "remove_recompute", "validate_recompute",
+    "fsdp_reshard_after_forward", "regions", "remove_recompute", "validate_recompute",
 ]

@@ -6,16 +6,18 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+import weakref
 from typing import Any, Callable
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
 from lit_moe.model.names import no_match_error
 from lit_moe.strategies.recompute.paths import _drop_children, _match, _under, addressable_paths
 from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputePlan, RecomputeWarning, validate_recompute
-from lit_moe.strategies.recompute.hooks import _CheckpointedForward, _ModuleCall, _draws_random_numbers
-from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _ScopedForward
+from lit_moe.strategies.recompute.hooks import _Checkpointed, _ModuleCall, _draws_random_numbers, around_call
+from lit_moe.strategies.recompute.saved_tensors import _LayerScope, _OutputRecomputed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -23,20 +25,20 @@ from lit_moe.strategies.recompute.saved_tensors import _OutputRecomputed, _Scope
 # ----------------------------------------------------------------------------------------------
 log = logging.getLogger(__name__)
 
-_APPLIED = "_lit_moe_recompute"  # model attribute: (plan, undo list), for idempotence and undo
+# what apply_recompute put on each model: (plan, undo list), for idempotence and undo (no flag on the model)
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, tuple[RecomputePlan, list]]" = weakref.WeakKeyDictionary()
 
 
-def _wrap_forward(module: nn.Module, wrapper: Callable, path: str, undo: list) -> None:
-    undo.append((module, "forward", module.__dict__.get("forward")))
-    call = _ModuleCall(module, module.forward)
-    undo.append((call, None, None))
-    module.forward = wrapper(call, path)
+def _wrap_call(module: nn.Module, wrapper: Callable, path: str, undo: list) -> None:
+    """``wrapper(what re-runs the call, path)`` around ``module``'s call, by forward hooks
+    (:func:`around_call`); its ``forward`` and parameter names stay as they are."""
+    undo.extend(around_call(module, wrapper(_ModuleCall(module), path)))
 
 
 def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list, wrapper: Callable) -> None:
     fn = getattr(owner, attr)
     undo.append((owner, attr, fn))
-    setattr(owner, attr, wrapper(fn, path))
+    setattr(owner, attr, wrapper(fn, path))   # a parallelism's own function attribute (not the model's code)
 
 
 def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_select: dict, matched_comm: dict
@@ -67,7 +69,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     """
     blocks = list(model.blocks())
     plan = validate_recompute(recompute, recompute_comm, len(blocks))
-    applied = getattr(model, _APPLIED, None)
+    applied = _APPLIED.get(model)
     if applied is not None:
         if applied[0] == plan:
             return plan
@@ -76,8 +78,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     undo: list = []
     rng = _draws_random_numbers(model)
 
-    def make_checkpointed(forward: Callable, path: str) -> _CheckpointedForward:
-        return _CheckpointedForward(forward, path, preserve_rng_state=rng)
+    def make_checkpointed(call: Callable, path: str) -> _Checkpointed:
+        return _Checkpointed(call, path, preserve_rng_state=rng)
 
     def make_output_recomputed(fn: Callable, path: str) -> _OutputRecomputed:
         return _OutputRecomputed(fn, path, preserve_rng_state=rng)
@@ -101,21 +103,21 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
             dropped = _match(plan.comm, layer_id, order, matched_comm)
             if dropped:
                 log.info("recompute_comm: layer %d is recomputed whole, %s already recomputed", layer_id, dropped)
-            _wrap_forward(block, make_checkpointed, f"layers[{layer_id}]", undo)
+            _wrap_call(block, make_checkpointed, f"layers[{layer_id}]", undo)
             summary.append(f"{layer_id}: whole layer")
             continue
 
         checkpointed, output_recomputed = layer_selection(plan, layer_id, paths, matched_select, matched_comm)
         for p in checkpointed:
-            _wrap_forward(paths[p][0], make_checkpointed, p, undo)
+            _wrap_call(paths[p][0], make_checkpointed, p, undo)
         for p in output_recomputed:
             module, attr = paths[p]
             if attr is None:
-                _wrap_forward(module, make_output_recomputed, p, undo)
+                _wrap_call(module, make_output_recomputed, p, undo)
             else:
                 _wrap_attr(module, attr, p, undo, make_output_recomputed)
         if output_recomputed:
-            _wrap_forward(block, _ScopedForward, f"layers[{layer_id}]", undo)
+            _wrap_call(block, _LayerScope, f"layers[{layer_id}]", undo)
         if checkpointed or output_recomputed:
             parts = [f"recompute {checkpointed}"] if checkpointed else []
             parts += [f"recompute output of {output_recomputed}"] if output_recomputed else []
@@ -133,24 +135,21 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
         summary.append(f"FSDP all-gather recomputed (resharded after forward) in layers {fsdp_layers}")
     if summary:
         log.info("recompute: %s", "; ".join(summary))
-    # a plain attribute (not a sub-module): the list holds references to sub-modules
-    object.__setattr__(model, _APPLIED, (plan, undo))
+    _APPLIED[model] = (plan, undo)
     return plan
 
 
 def remove_recompute(model: nn.Module) -> None:
-    """Undo :func:`apply_recompute` (restores every wrapped ``forward`` and function attribute)."""
-    applied = getattr(model, _APPLIED, None)
+    """Undo :func:`apply_recompute` (removes its hooks, restores every wrapped function attribute)."""
+    applied = _APPLIED.pop(model, None)
     if applied is None:
         return
-    for owner, attr, previous in reversed(applied[1]):
-        if isinstance(owner, _ModuleCall):
-            owner.restore()
-        elif previous is None:
-            owner.__dict__.pop(attr, None)
+    for entry in reversed(applied[1]):
+        if isinstance(entry, RemovableHandle):
+            entry.remove()
         else:
+            owner, attr, previous = entry
             setattr(owner, attr, previous)
-    object.__delattr__(model, _APPLIED)
 
 
 def fsdp_reshard_after_forward(plan: RecomputePlan | None, layer_id: int, default: bool) -> bool:

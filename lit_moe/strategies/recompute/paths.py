@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import re
+import types
 from typing import Callable, Iterable, Optional
 
-import torch
 from torch import nn
 
 from lit_moe.model.names import spellings
+from lit_moe.strategies.recompute.hooks import _AroundCall
 
 
 # ----------------------------------------------------------------------------------------------
 # the addressable paths of a layer
 # ----------------------------------------------------------------------------------------------
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial, _AroundCall)
+
+
 def _callable_attributes(module: nn.Module) -> Iterable[tuple[str, Callable]]:
-    """Public instance attributes holding plain callables (functions, partials, bound methods, our
-    wrappers): how the parallel steps expose their communication ops. Sub-modules, classes and
-    ``forward`` are excluded."""
+    """Public instance attributes holding plain functions (functions, partials, bound methods, our
+    wrappers of them): how the parallel steps expose their communication ops. Other callable
+    objects (a core attention's ``context_parallel`` layout) are not communication steps."""
     for name, value in vars(module).items():
-        if name.startswith("_") or name == "forward":
-            continue
-        if isinstance(value, (nn.Module, type, torch.Tensor)) or not callable(value):
-            continue
-        yield name, value
+        if not name.startswith("_") and name != "forward" and isinstance(value, _FUNCTIONS):
+            yield name, value
 
 
 def addressable_paths(layer: nn.Module) -> dict[str, tuple[nn.Module, Optional[str]]]:

@@ -11,6 +11,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from lit_moe.strategies.recompute.hooks import _AroundCall
+
 
 # ----------------------------------------------------------------------------------------------
 # wrapper 2: output recompute (communication steps, selected function attributes)
@@ -215,49 +217,47 @@ def _unpack(saved: Any) -> torch.Tensor:
     return saved.unpack() if isinstance(saved, _Handle) else saved
 
 
-class _OutputRecomputed:
-    """Stands in for a callable (a function attribute, or a module's ``forward``): calls it and
-    records its outputs with the enclosing layer's :class:`_Scope`, so they are recomputed in
-    backward instead of kept. Outside a scope (or without grad) it is the plain call."""
+class _OutputRecomputed(_AroundCall):
+    """Around a call (a function attribute, called through this stand-in, or a module's call, by
+    forward hooks): records the call's outputs with the enclosing layer's :class:`_Scope`, so they
+    are recomputed in backward by ``call`` instead of kept. Outside a scope (or without grad) it
+    changes nothing."""
 
-    def __init__(self, fn: Callable, path: str, preserve_rng_state: bool = True):
-        self.fn = fn
-        self.path = path
+    def __init__(self, call: Callable, path: str, preserve_rng_state: bool = True):
+        super().__init__(call, path)
         self.preserve_rng_state = preserve_rng_state
 
-    def __call__(self, *args, **kwargs):
-        scopes = _scopes()
-        if not (scopes and torch.is_grad_enabled()):
-            return self.fn(*args, **kwargs)
-        rng = _rng_states((args, kwargs)) if self.preserve_rng_state else None
-        out = _contiguous(self.fn(*args, **kwargs))
-        scopes[-1].record(self.fn, self.path, args, kwargs, out, rng)
+    def enter(self, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if not (_scopes() and torch.is_grad_enabled()):
+            return None
+        return args, kwargs, _rng_states((args, kwargs)) if self.preserve_rng_state else None
+
+    def exit(self, state: Optional[tuple], output: Any) -> Any:
+        if state is None or output is None:
+            return output
+        args, kwargs, rng = state
+        out = _contiguous(output)
+        _scopes()[-1].record(self.call, self.path, args, kwargs, out, rng)
         return out
 
-    def __repr__(self) -> str:
-        return f"OutputRecomputed({self.path})"
 
+class _LayerScope(_AroundCall):
+    """Around a layer's call: opens the :class:`_Scope` its output-recomputed calls report to, and
+    installs the scope's pack hook while the layer runs."""
 
-class _ScopedForward:
-    """Stands in for a layer's ``forward``: opens the :class:`_Scope` its output-recomputed calls
-    report to, and installs the scope's pack hook for the layer's forward."""
-
-    def __init__(self, call: Callable, path: str):
-        self.call = call
-        self.path = path
-
-    def __call__(self, *args, **kwargs):
+    def enter(self, args: tuple, kwargs: dict) -> Optional[tuple]:
         if not torch.is_grad_enabled():
-            return self.call(*args, **kwargs)
+            return None
         scope = _Scope()
         _scopes().append(scope)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack):
-                return self.call(*args, **kwargs)
-        finally:
+        packing = torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack)
+        packing.__enter__()
+        return scope, packing
+
+    def exit(self, state: Optional[tuple], output: Any) -> Any:
+        if state is not None:
+            scope, packing = state
+            packing.__exit__(None, None, None)
             _scopes().pop()
             scope.entries.clear()
-
-    def __repr__(self) -> str:
-        return f"ScopedForward({self.path})"
-
+        return output
