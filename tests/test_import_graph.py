@@ -231,3 +231,53 @@ def test_the_top_level_shows_the_architecture():
     concept (model, ops, data, optim, runtime, checkpoint, strategies, callbacks, tools)."""
     top = sorted(p.name for p in (ROOT / "lit_moe").glob("*.py"))
     assert len(top) <= 8, top
+
+
+# ----------------------------------------------------------------------------------------------
+# the pipeline behind the strategy interface: only the strategy package (and the pipeline's own)
+# knows that a rank may hold part of the model; the module, the callbacks and the checkpoint code
+# ask lit_moe.step.StepStrategy
+# ----------------------------------------------------------------------------------------------
+PIPELINE_HOME = ("lit_moe/strategies/", "lit_moe/pipeline/")
+PROBED = {"pipeline", "holds_part_of_model"}
+
+
+def _names_strategy(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "strategy" in name.lower()
+
+
+def pipeline_probes(source: str) -> list[str]:
+    """``line: what`` for each ``<strategy>.pipeline``, ``getattr``/``hasattr`` of ``pipeline`` or
+    ``holds_part_of_model``, and any other mention of ``holds_part_of_model``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr == "holds_part_of_model"
+                                                or (node.attr == "pipeline" and _names_strategy(node.value))):
+            found.append(f"{node.lineno}: .{node.attr}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PROBED):
+            found.append(f"{node.lineno}: {node.func.id}({node.args[1].value!r})")
+        if isinstance(node, ast.Constant) and node.value == "holds_part_of_model":
+            found.append(f"{node.lineno}: 'holds_part_of_model'")
+    return sorted(set(found))
+
+
+def test_the_pipeline_probe_check_sees_each_form():
+    planted = ("p = trainer.strategy.pipeline\nq = self.step_strategy.pipeline\nr = getattr(s, 'pipeline', None)\n"
+               "any(m.holds_part_of_model for m in mods)\nhasattr(m, 'holds_part_of_model')\n")
+    assert pipeline_probes(planted) == ["1: .pipeline", "2: .pipeline", "3: getattr('pipeline')",
+                                        "4: .holds_part_of_model", "5: 'holds_part_of_model'",
+                                        "5: hasattr('holds_part_of_model')"]
+    assert pipeline_probes("self.pipeline(model)\nstrategy.holds_whole_model\n") == []
+
+
+def test_no_pipeline_probe_outside_the_strategies():
+    found = {}
+    for path in sorted((ROOT / "lit_moe").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if not name.startswith(PIPELINE_HOME):
+            hits = pipeline_probes(path.read_text())
+            if hits:
+                found[name] = hits
+    assert found == {}

@@ -246,7 +246,7 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
     model.init_weights(7)
     opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, eps=adam_eps(family), foreach=False)
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "emb_norm": [], "counts": []}
     for step in range(STEPS):
         sums = torch.zeros(3)
         for micro in range(GLOBAL_BATCH):
@@ -257,11 +257,14 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
             sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
         params = [p for p in model.parameters() if p.grad is not None]
         norm = global_grad_norm(params)
+        out["emb_norm"].append(float(global_grad_norm([model.embed_tokens.weight])))
         clip_grads_with_norm_(params, MAX_NORM, norm)
         out["grad_norm"].append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        model.update_expert_bias(torch.stack([m.tokens_per_expert for m in model.moe_layers()]))
+        counts = torch.stack([m.tokens_per_expert for m in model.moe_layers()])
+        out["counts"].append(counts.float().clone())
+        model.update_expert_bias(counts)
         out["loss"].append(float(sums[0]))
         out["aux"].append(float(sums[1]))
         out["mtp"].append(float(sums[2]))
@@ -289,12 +292,21 @@ def pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank: int) -> f
     from lit_moe.callbacks.evaluation import Evaluation
     from lit_moe.strategies.pipeline import PipelineParallel
 
-    pipeline = PipelineParallel(dims, layout, container, parts, egroup)
     ev = Evaluation(eval_interval=1, eval_iters=EVAL_SAMPLES // dims.dp, local_batch_size=1)
     ev.dataset = [{"input_ids": s[:-1].numpy(), "labels": s[1:].numpy()} for s in eval_samples()]
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), pipeline=pipeline),
+    trainer = SimpleNamespace(strategy=pipeline_strategy(PipelineParallel(dims, layout, container, parts, egroup)),
                               datamodule=SimpleNamespace(dp_rank=dp_rank, dp_size=dims.dp))
     return ev.evaluate(trainer, SimpleNamespace(model=container))
+
+
+def pipeline_strategy(pipeline):
+    """The run's strategy on one CPU rank around ``pipeline`` (what ``parallelize`` leaves under pp > 1)."""
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    strategy = AscendFSDPStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.pipeline = pipeline
+    return strategy
 
 
 def _moe_by_layer(model) -> dict:
@@ -314,7 +326,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies import ParallelDims
-    from lit_moe.strategies.pipeline import (PipelineRunner, embedding_duplicates, embedding_group,
+    from lit_moe.step import MoEStepStats
+    from lit_moe.strategies.pipeline import (PipelineParallel, PipelineRunner, embedding_duplicates, embedding_group,
                                              parallelize_pipeline, pipeline_grad_norm)
     from test_step_layouts import COLLECTIVES, fsdp_units
 
@@ -358,8 +371,11 @@ def run_layout(name: str, out_dir: Path) -> None:
     # rank reports its share of the sequence's loss and routes its own tokens)
     dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [],
-           "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [], "emb_norm": [],
+           "counts": [], "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
+    # what the run's strategy answers the callbacks for this rank's stages: the embedding's gradient
+    # norm and the whole model's MoE statistics, on every rank
+    strategy = pipeline_strategy(PipelineParallel(dims, layout, container, parts, egroup))
     for step in range(STEPS):
         COLLECTIVES.clear()
         tok = data[step, dp_rank * A:(dp_rank + 1) * A]
@@ -367,6 +383,8 @@ def run_layout(name: str, out_dir: Path) -> None:
         losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:], **extra})
         dist.all_reduce(losses, group=dp_cp)
         losses /= dims.dp_cp
+        emb_norm, has_emb = strategy.embedding_grad_norm(container)
+        out["emb_norm"].append(float(emb_norm) if float(has_emb) else None)
         params = [p for p in container.parameters() if p.grad is not None]
         norm = pipeline_grad_norm(params, dims.mesh("stage").get_group(), pp_mesh.get_group(), dup)
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
@@ -376,10 +394,16 @@ def run_layout(name: str, out_dir: Path) -> None:
         opt.zero_grad(set_to_none=True)
         out["collectives"].append(dict(COLLECTIVES))
         moes = container.moe_layers()
+        local = None
         if moes:
-            counts = torch.stack([_local(m.tokens_per_expert) for m in moes])
+            counts = torch.stack([_local(m.tokens_per_expert) for m in moes]).float()
             dist.all_reduce(counts, group=dp_cp)
+            zeros = counts.new_zeros(len(moes))
+            local = MoEStepStats(tokens_per_expert=counts, aux_loss=None, dropped=zeros, assigned=zeros,
+                                 expert_bias=torch.stack([_local(m.router.expert_bias).float() for m in moes]))
             container.update_expert_bias(counts)
+        whole = strategy.whole_model_moe(local)
+        out["counts"].append(whole.tokens_per_expert.clone())
         out["loss"].append(float(losses[0]))
         out["aux"].append(float(losses[1]))
         out["mtp"].append(float(losses[2]))
@@ -466,6 +490,11 @@ def test_layout_matches_one_process(name, runs, references):
         assert _rel(out["val_loss"], ref["val_loss"]) < RTOL, (name, r, out["val_loss"], ref["val_loss"])
         for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
             assert _rel(out[key], ref[key]) < rtol, (name, r, key, out[key], ref[key])
+        # the strategy's answers for the callbacks, on every rank whatever stages it holds: the
+        # embedding's gradient norm (the first stage's) and every MoE layer's token counts
+        assert _rel(out["emb_norm"], ref["emb_norm"]) < rtol, (name, r, out["emb_norm"], ref["emb_norm"])
+        for step in range(STEPS):
+            assert torch.equal(out["counts"][step], ref["counts"][step]), (name, r, step)
         for step in range(STEPS):
             for layer, bias in out["bias"][step].items():
                 assert _rel(bias, ref["bias"][step][layer]) < rtol, (name, r, step, layer)

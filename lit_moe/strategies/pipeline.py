@@ -40,6 +40,7 @@ from torch import nn
 
 from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
+from lit_moe.step import MoEStepStats, StepRecord
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")
 _MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
@@ -560,17 +561,6 @@ class PipelineRunner:
             dist.all_reduce(_local(p.grad), group=self.embedding_group)
 
 
-@dataclass
-class PipelineStepRecord:
-    """One step's losses as the training step keeps them (the same on every rank of a pipeline)."""
-
-    losses: torch.Tensor            # [loss, aux_loss, mtp_loss], each the mean over micro-batches (fp64)
-    micro_losses: list[float]       # main loss of each micro-batch / A
-    moe_aux: Optional[torch.Tensor]  # this rank's MoE layers: balancing loss summed over micro-batches
-    has_aux: bool
-    has_mtp: bool
-
-
 class PipelineParallel:
     """What the strategy keeps for a pipeline run and the training step calls: this rank's stages,
     the schedule (built at the first step, when the micro-batch shape is known), the stage-spanning
@@ -611,12 +601,12 @@ class PipelineParallel:
         batch = {k: torch.cat([b[k] for b in micro_batches]) for k in keys}
         return self.runner.step(batch)
 
-    def forward_backward_record(self, micro_batches: list[dict[str, torch.Tensor]]) -> "PipelineStepRecord":
+    def forward_backward_record(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepRecord:
         """:meth:`forward_backward`, and what the training step records of it."""
         A = len(micro_batches)
         losses = self.forward_backward(micro_batches).detach().double().cpu()
         c = self.container.config
-        return PipelineStepRecord(
+        return StepRecord(
             losses=losses, micro_losses=[float(x) / A for x in self.runner.micro_losses],
             moe_aux=self.moe_aux_sum(),
             has_aux=any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
@@ -650,13 +640,13 @@ class PipelineParallel:
     def gather_moe_stats(self, moe: Any, device: torch.device) -> Any:
         """The whole model's :class:`~lit_moe.step.MoEStepStats` from every pipeline rank's ``moe``
         (its own MoE layers; None for a rank without any), rows in :meth:`moe_block_ids` order: what
-        one process reports. A collective over the pipeline group (every rank calls it, on log steps
-        only); the stages hold disjoint layers, so a sum of zero-padded rows is the gather. float64:
-        token counts and fp32 biases pass exactly."""
-        from lit_moe.step import MoEStepStats
-
+        one process reports. A collective over the pipeline group (every rank calls it, once per
+        step, on the device); the stages hold disjoint layers, so a sum of zero-padded rows is the
+        gather. float64: token counts and fp32 biases pass exactly. None for a model without MoE layers."""
         c = self.container.config
         ids = self.moe_block_ids()
+        if not ids:
+            return None
         E = c.n_routed_experts
         has_aux = float(c.moe_aux_loss_coeff or 0.0) > 0
         # per row: tokens [E], bias [E], aux, dropped, assigned
@@ -665,11 +655,11 @@ class PipelineParallel:
             rows = [ids.index(i) for i in self.local_moe_block_ids()]
             local = torch.cat([moe.tokens_per_expert.double(), moe.expert_bias.double(),
                                (moe.aux_loss.double() if moe.aux_loss is not None
-                                else torch.zeros(len(rows), dtype=torch.float64))[:, None],
+                                else torch.zeros(len(rows), dtype=torch.float64,
+                                                  device=moe.tokens_per_expert.device))[:, None],
                                moe.dropped.double()[:, None], moe.assigned.double()[:, None]], dim=1)
             table[rows] = local.to(device)
         dist.all_reduce(table, group=self.dims.mesh("pp").get_group())
-        table = table.cpu()
         return MoEStepStats(tokens_per_expert=table[:, :E].float(), aux_loss=table[:, 2 * E] if has_aux else None,
                             expert_bias=table[:, E:2 * E].float(), dropped=table[:, 2 * E + 1].float(),
                             assigned=table[:, 2 * E + 2].float())
