@@ -115,6 +115,39 @@ def test_too_few_microbatches_names_global_batch_size():
         inter.check_microbatches(5)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4"])
+def test_the_model_runs_in_parts(family):
+    """The model's own forward on the parts of a 3-stage split (no embedding after the first part: it
+    takes the hidden state; no head before the last: it returns the hidden state; each part its own
+    layers) gives the whole model's loss and MTP loss bit for bit, and its balancing loss (the same
+    terms summed per part; measured difference 0)."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.strategies.pipeline import split_model
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(1, family)))
+    with torch.no_grad():   # random norm weights: a part that skips or repeats a norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape))
+    tok = batches()[0, :2]
+    batch = {"input_ids": tok[:, :-1], "labels": tok[:, 1:]}
+    want = model(**batch)
+    layout = PipelineLayout(3, 1, "1f1b", ((0, 1), (1, 3), (3, 4)))
+    parts = [split_model(model, layout, rank)[1][0] for rank in range(3)]
+    assert parts[1].embed_tokens is None and parts[0].lm_head is None and list(parts[1].layers) == ["1", "2"]
+    h, aux = None, []
+    for part in parts:
+        out = DeepseekV3ForCausalLM.forward(part, **batch, hidden_states=h)
+        aux.append(out.aux_loss)
+        h = out.hidden_states
+    assert h is None and torch.equal(out.loss, want.loss) and torch.equal(out.mtp_loss, want.mtp_loss)
+    got_aux = sum(a for a in aux[:-1] if a is not None) + aux[-1]
+    assert torch.allclose(got_aux, want.aux_loss, rtol=1e-6, atol=0), (float(got_aux), float(want.aux_loss))
+    with pytest.raises(ValueError, match="no embedding"):
+        DeepseekV3ForCausalLM.forward(parts[1], **batch)
+
+
 # ----------------------------------------------------------------------------------------------
 # training runs: layouts and the one-process reference
 # ----------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_moe.strategies.parallel_dims import ParallelismError
+from lit_moe.model.indexer import LightningIndexer
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
 from lit_moe.step import MoEStepStats, StepRecord
 
@@ -226,12 +227,12 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
     ``layers.{i}.…``), the embedding with ``first`` (or with ``last`` and MTP), final norm, head and
     MTP layers with ``last``. Shares the modules of ``model`` (no copy): build it on the meta device.
 
-    ``forward(x, input_ids, labels, …)``: ``x`` is the token ids on the first stage and the hidden
-    state elsewhere; the other tensors are the micro-batch's (every stage receives them). A stage
-    that is not the last returns the hidden state; the last returns ``[loss, aux_loss, mtp_loss]``.
+    ``forward(x, input_ids, labels, …)`` (the call torch's ``PipelineStage`` makes) runs the model's
+    own forward on the parts the stage holds: ``x`` is the token ids on the first stage and the
+    hidden state elsewhere; the other tensors are the micro-batch's (every stage receives them). A
+    stage that is not the last returns the hidden state; the last returns ``[loss, aux_loss, mtp_loss]``.
+    It keeps the step's records the pipeline reads (per micro-batch losses, per layer balancing losses).
     """
-
-    holds_part_of_model = True   # checkpoint loading: the other stages' tensors are not unexpected
 
     def __init__(self, model: DeepseekV3ForCausalLM, layer_ids: Sequence[int], first: bool, last: bool):
         nn.Module.__init__(self)
@@ -250,12 +251,10 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         self.mtp = model.mtp if self.is_last else nn.ModuleList()
         self._main_moe = [m for layer in self.layers.values() for m in layer.modules() if _is_moe(m)]
         self._mtp_moe = [m for layer in self.mtp for m in layer.modules() if _is_moe(m)]
+        self._indexers = [m for m in self.modules() if isinstance(m, LightningIndexer)]
         self.aux_grad_scale = 1.0   # backward weight of the balancing losses (1/A, set per step)
         self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp] (detached)
         self.moe_aux_sum: Optional[torch.Tensor] = None   # per local MoE layer, summed over micro-batches
-
-    def blocks(self) -> list[nn.Module]:
-        return [*self.layers.values(), *(m.layer for m in self.mtp)]
 
     def block_ids(self) -> list[int]:
         """Global layer ids of :meth:`blocks` (MTP layers follow the decoder layers)."""
@@ -266,44 +265,23 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 actual_seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # every stage takes this rank's part of the micro-batch's tensors (context parallel: its
-        # zig-zag positions; the hidden state between stages is already [B, S/cp, H]); the first
-        # embeds them (``x`` is the same token ids there)
-        input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
-            input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
-        h = self.streams_in(self.embed(input_ids, position_ids)) if self.is_first else x
-        for layer in self.layers.values():
-            h = layer(h, ctx)
-        self._collect_moe_aux(self._main_moe)
-        aux = self._take_aux(self._main_moe)
+        # torch's PipelineStage calls the stage with its input first (the token ids on the first
+        # stage, the previous stage's hidden state elsewhere) and the micro-batch's tensors; the
+        # model's own forward runs the parts this stage holds
+        if self.is_last and labels is None:
+            raise ValueError("the last pipeline stage needs labels")
+        out = super().forward(input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len,
+                              hidden_states=None if self.is_first else x)
+        self._collect_moe_aux(self._main_moe + self._mtp_moe)
         if not self.is_last:
+            h, aux = out.hidden_states, out.aux_loss
             if aux is not None and torch.is_grad_enabled():
                 self.step_stats.append(torch.stack([aux.new_zeros(()), aux.detach().float(), aux.new_zeros(())]))
                 h = AuxLossBackward.apply(h, aux, self.aux_grad_scale)
             return h
-        if labels is None:
-            raise ValueError("the last pipeline stage needs labels")
-        h = self.streams_out(h)
-        mask = labels != -100
-        if loss_mask is not None:
-            mask = mask & (loss_mask != 0)
-        if self._fused_loss():
-            h, loss = self._fused_head(h, labels, mask)
-        else:
-            h, _, loss = self._head(h, labels, mask)
-        mtp = loss.new_zeros((), dtype=torch.float32)
-        if len(self.mtp):
-            mtp = self._mtp_forward(h, input_ids, labels, mask, position_ids, ctx)
-            self._collect_moe_aux(self._mtp_moe)
-            mtp_aux = self._take_aux(self._mtp_moe)
-            if mtp_aux is not None:
-                mtp_aux = mtp_aux / len(self.mtp)
-                aux = mtp_aux if aux is None else aux + mtp_aux
-        if aux is None:
-            aux = loss.new_zeros((), dtype=torch.float32)
-        out = torch.stack([loss.float(), aux.float(), mtp.float()])
-        self.step_stats.append(out.detach())
-        return out
+        losses = torch.stack([out.loss.float(), out.aux_loss.float(), out.mtp_loss.float()])
+        self.step_stats.append(losses.detach())
+        return losses
 
     def _collect_moe_aux(self, moes: list) -> None:
         if not moes:
