@@ -23,6 +23,10 @@ LAYERS = [
     ["lit_moe.data", "lit_moe.optim", "lit_moe.lora"],
     ["lit_moe.checkpoint"],
     ["lit_moe.strategies"],
+    # the pipeline builds its stages with the strategies' parallelisms; the strategy, and the plans
+    # that print per pipeline rank, use it
+    ["lit_moe.pipeline"],
+    ["lit_moe.strategies.strategy", "lit_moe.strategies.plan", "lit_moe.strategies.memory_plan"],
     ["lit_moe.callbacks"],
     ["lit_moe.tools", "lit_moe.name_keys"],
     ["lit_moe.module"],
@@ -213,8 +217,10 @@ def test_no_parallelism_rebinds_the_model():
         if hits:
             found[name] = hits
     assert {f: len(h) for f, h in found.items()} == {f: n for f, (n, _) in STILL_REBINDING.items()}, found
-    # a pipeline stage shares the model's hooks object, it does not copy the model's attributes
-    assert "vars(model)" not in (ROOT / "lit_moe/strategies/pipeline.py").read_text()
+    # a pipeline stage shares the model's hooks object, it does not copy the model's attributes, and
+    # it runs the model's own forward (no head, MTP or embedding code of its own)
+    stage = (ROOT / "lit_moe/pipeline/stage.py").read_text()
+    assert not [word for word in ("vars(model)", "_head(", "_mtp_forward(", ".embed(", "streams_in(") if word in stage]
 
 
 def test_the_model_does_not_import_fsdp():

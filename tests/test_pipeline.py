@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
-from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
+from lit_moe.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
 from helpers import scaled, selected_layouts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_schedules():
 def test_v_shape_with_mtp_needs_one_rank_per_stage():
     """First and last stage on one rank share the embedding: with one rank per stage (no FSDP) their
     gradients add up in one tensor (pp2_dualpipev_mtp below trains so); FSDP stage roots are refused."""
-    from lit_moe.strategies.pipeline import check_pipeline_run
+    from lit_moe.pipeline import check_pipeline_run
 
     knobs = SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=2,
                             pipeline_parallel_schedule="dualpipev")
@@ -115,6 +115,28 @@ def test_too_few_microbatches_names_global_batch_size():
         inter.check_microbatches(5)
 
 
+@pytest.mark.parametrize("schedule, v, mtp", [("1f1b", 1, 1), ("zbv", 2, 1), ("interleaved_1f1b", 2, 0)])
+def test_the_planner_counts_what_the_stages_hold(schedule, v, mtp):
+    """``lit_moe plan``'s parameters of each pipeline rank are the parameters of the stage modules the
+    run builds on that rank (one membership rule: ``stage_parts``): the V shape puts the first and the
+    last stage on rank 0, MTP puts a copy of the embedding on the last stage."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.pipeline import parameters_of_ranks, split_model
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp)))
+    knobs = SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=v, pipeline_parallel_schedule=schedule,
+                            pipeline_parallel_layers_per_stage=None)
+    layout = PipelineLayout.from_config(knobs, LAYERS)
+    names = [n for n, _ in model.named_parameters()]
+    planned = parameters_of_ranks(layout, names, LAYERS, mtp > 0)
+    for rank in range(2):
+        container, parts = split_model(model, layout, rank)
+        assert planned[rank] == {n for n, _ in container.named_parameters()}, rank
+        assert planned[rank] == {n for part in parts for n, _ in part.named_parameters()}, rank
+    assert ("embed_tokens.weight" in planned[1]) == (mtp > 0 and layout.rank_of(layout.num_stages - 1) == 1)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4"])
 def test_the_model_runs_in_parts(family):
     """The model's own forward on the parts of a 3-stage split (no embedding after the first part: it
@@ -122,7 +144,7 @@ def test_the_model_runs_in_parts(family):
     layers) gives the whole model's loss and MTP loss bit for bit, and its balancing loss (the same
     terms summed per part; measured difference 0)."""
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-    from lit_moe.strategies.pipeline import split_model
+    from lit_moe.pipeline import split_model
 
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(1, family)))
@@ -323,7 +345,7 @@ def pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank: int) -> f
     """``lit_moe.callbacks.evaluation.Evaluation``'s pass under the pipeline (micro-batches of one sample,
     ``EVAL_SAMPLES / dp`` per data-parallel rank: all the samples over the ranks)."""
     from lit_moe.callbacks.evaluation import Evaluation
-    from lit_moe.strategies.pipeline import PipelineParallel
+    from lit_moe.pipeline import PipelineParallel
 
     ev = Evaluation(eval_interval=1, eval_iters=EVAL_SAMPLES // dims.dp, local_batch_size=1)
     ev.dataset = [{"input_ids": s[:-1].numpy(), "labels": s[1:].numpy()} for s in eval_samples()]
@@ -360,7 +382,7 @@ def run_layout(name: str, out_dir: Path) -> None:
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies import ParallelDims
     from lit_moe.step import MoEStepStats
-    from lit_moe.strategies.pipeline import (PipelineParallel, PipelineRunner, embedding_duplicates, embedding_group,
+    from lit_moe.pipeline import (PipelineParallel, PipelineRunner, embedding_duplicates, embedding_group,
                                              parallelize_pipeline, pipeline_grad_norm)
     from test_step_layouts import COLLECTIVES, fsdp_units
 
@@ -699,7 +721,7 @@ def test_zero_bubble_with_fsdp_refuses_resharding_always():
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.strategies.parallel_dims import ParallelDims
-    from lit_moe.strategies.pipeline import parallelize_pipeline
+    from lit_moe.pipeline import parallelize_pipeline
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

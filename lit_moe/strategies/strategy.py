@@ -88,7 +88,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
-        self.pipeline = None   # PipelineParallel with pipeline_parallel > 1 (lit_moe.strategies.pipeline)
+        self.pipeline = None   # PipelineParallel with pipeline_parallel > 1 (lit_moe.pipeline)
 
     # ------------------------------------------------------------------------------------------
     # environment and meshes
@@ -182,7 +182,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         if self._parallelized is model:  # configure_model may run more than once
             return model
         if self.parallel_dims.pp > 1:
-            from lit_moe.strategies.pipeline import PipelineParallel
+            from lit_moe.pipeline import PipelineParallel
 
             # the model becomes this rank's stages (every local parameter under its global name)
             self.pipeline = PipelineParallel.build(
