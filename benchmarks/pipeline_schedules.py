@@ -107,7 +107,7 @@ def worker(args) -> None:
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies import ParallelDims
-    from lit_moe.strategies.pipeline import PipelineParallel, in_flight_microbatches, bubble_fraction, plan_stages
+    from lit_moe.pipeline import PipelineParallel, in_flight_microbatches, bubble_fraction, plan_stages
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -216,7 +216,7 @@ def activation_table(rows: list, args) -> float:
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3Config
     from lit_moe.strategies.activation_memory import pipeline_activation_plan
-    from lit_moe.strategies.pipeline import PipelineLayout
+    from lit_moe.pipeline import PipelineLayout
 
     cfg = DeepseekV3Config(**model_section(args.layers))
     print("activations kept for backward per rank (saved tensors; zero-bubble: + output gradients kept for the "

@@ -3,7 +3,8 @@
 One ``training_step`` call is one optimizer step: the batch is the step, a list of its ``A``
 micro-batches, formed by the DataModule (:class:`~lit_moe.data.datamodule.StepSampler`) and moved to
 the device by Lightning as any batch. It runs :meth:`LitMoE.forward_backward` over them (each
-objective scaled by ``1/A``; a pipeline schedule replaces this method), then finishes the step:
+objective scaled by ``1/A``; a strategy that schedules the micro-batches itself, such as a pipeline,
+runs them instead: :meth:`~lit_moe.step.StepStrategy.run_micro_batches`), then finishes the step:
 global gradient norm (fp32, every mesh) → gradient observers → skip guards → clipping → optimizer
 and LR schedule → expert-bias update from the token counts of the whole step, summed over
 micro-batches and data-parallel ranks. It publishes a frozen :class:`~lit_moe.step.StepMetrics`.
@@ -53,8 +54,9 @@ class LitMoE(LightningModule):
         training: the ``training:`` section.
         accumulation_steps: micro-batches per optimizer step on each rank (``A``) until the first step
             arrives; from then on, the micro-batches of the current (or last) step.
-        weights_loader: called with the materialised model after initialisation, to load weights
-            only (fine-tuning from a checkpoint or a Hugging Face directory).
+        weights_loader: called as ``weights_loader(model, whole_model=...)`` with the materialised model
+            after initialisation, to load weights only (fine-tuning from a checkpoint or a Hugging Face
+            directory); ``whole_model``: :attr:`~lit_moe.step.StepStrategy.holds_whole_model`.
         lora: the ``lora_config`` section (:func:`lit_moe.lora.lora_settings`); None: no adapters.
     """
 
@@ -65,7 +67,7 @@ class LitMoE(LightningModule):
         lr_scheduler: dict,
         training: TrainingConfig,
         accumulation_steps: int = 1,
-        weights_loader: Optional[Callable[[torch.nn.Module], None]] = None,
+        weights_loader: Optional[Callable[..., None]] = None,
         lora: Any = None,
     ) -> None:
         super().__init__()
@@ -125,7 +127,7 @@ class LitMoE(LightningModule):
 
             init_adapters(model, self.training_config.seed)
         if self.weights_loader is not None:
-            self.weights_loader(model)
+            self.weights_loader(model, whole_model=strategy.holds_whole_model)
         if self.lora is not None:   # base weights frozen: the optimizer sees the adapters only
             from lit_moe.lora import freeze_base
 
@@ -220,9 +222,8 @@ class LitMoE(LightningModule):
         With ``gradient_sync_every_microbatch: False`` gradients are reduced only after the last."""
         A = self.accumulation_steps
         strategy = self.step_strategy
-        pipeline = strategy.pipeline
-        if pipeline is not None:  # a pipeline schedule runs all micro-batches through every stage
-            record = pipeline.forward_backward_record(micro_batches)
+        record = strategy.run_micro_batches(micro_batches)
+        if record is not None:  # the strategy's schedule ran them (pipeline parallel: through every stage)
             self._micro_losses, self._moe_aux_sum = record.micro_losses, record.moe_aux
             self._loss_sum = torch.cat([record.losses, record.losses.new_zeros(1)])   # (no indexer loss under pp)
             self._has_aux, self._has_mtp = record.has_aux, record.has_mtp
@@ -299,7 +300,7 @@ class LitMoE(LightningModule):
             step_skips = skip.to(torch.int64)
             self._skipped_on_device = (step_skips if self._skipped_on_device is None
                                        else self._skipped_on_device + step_skips)
-        moe = self._update_expert_bias(skip)
+        moe = strategy.whole_model_moe(self._update_expert_bias(skip))
         self.step_metrics = self._step_metrics(grad_norm, lrs[0], skip, moe)
 
     # ------------------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ class LitMoE(LightningModule):
 
     def _step_metrics(self, grad_norm, lr, skip, moe) -> StepMetrics:
         losses = self._loss_sum
-        if losses is None:   # a step without micro-batches of this rank's own (pipeline stages)
+        if losses is None:   # a step without losses of this rank's own
             losses = torch.zeros(4, dtype=torch.float64, device=grad_norm.device)
         losses = torch.as_tensor(losses, dtype=torch.float64)
         tokens: Any = self._tokens

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,8 @@ _LAZY_FIELDS = ("loss", "aux_loss", "mtp_loss", "indexer_loss", "grad_norm", "lr
 class StepMetrics:
     """What one optimizer step produced (``LitMoE.step_metrics``, None before the first step).
     Losses, token count, gradient norm and learning rate are the same on every rank (reduced over
-    ranks before it is built); ``micro_losses`` are this rank's, and under pipeline parallelism
-    ``moe`` holds this stage's MoE layers only. Read-only.
+    ranks before it is built), and so is ``moe`` (every MoE layer of the model, whatever part of it
+    this rank holds); ``micro_losses`` are this rank's. Read-only.
 
     The step leaves its numbers on the device: reading any of ``loss``, ``aux_loss``, ``mtp_loss``,
     ``grad_norm``, ``lr``, ``skipped``, ``skipped_steps``, ``tokens`` or ``micro_losses`` copies all of
@@ -210,12 +210,48 @@ class StepGuard(Callback):
         raise NotImplementedError
 
 
-class PipelineStep(Protocol):
-    """What the step calls on a pipeline schedule (``lit_moe.strategies.pipeline.PipelineParallel``;
-    a typing aid only, never checked at run time)."""
+@dataclass
+class StepRecord:
+    """What a strategy that runs a step's micro-batches itself (a pipeline schedule) hands the step:
+    the losses as the step keeps them, the same on every rank of one model replica."""
 
-    def forward_backward_record(self, micro_batches: list) -> Any:
-        """Run the step's micro-batches through every stage; return the losses as the step keeps them."""
+    losses: torch.Tensor             # [loss, aux_loss, mtp_loss], each the mean over micro-batches (fp64)
+    micro_losses: list[float]        # main loss of each micro-batch / A
+    moe_aux: Optional[torch.Tensor]  # this rank's MoE layers: balancing loss summed over micro-batches
+    has_aux: bool
+    has_mtp: bool
+
+
+def model_moe_block_ids(model: Any) -> Optional[list[int]]:
+    """Block id (decoder layer index, MTP layers after the decoder) of each of ``model.moe_layers()``,
+    found by locating each inside ``model.blocks()`` (``model.block_ids()`` names them when the model
+    holds some blocks only); None when the model does not expose them."""
+    try:
+        moe_layers = list(model.moe_layers())
+        blocks = list(model.blocks())
+    except (AttributeError, TypeError):
+        return None
+    row_of = {id(m): k for k, m in enumerate(moe_layers)}
+    ids: list[Optional[int]] = [None] * len(moe_layers)
+    block_ids = list(model.block_ids()) if hasattr(model, "block_ids") else range(len(blocks))
+    for block_id, block in zip(block_ids, blocks):
+        for sub in block.modules():
+            if id(sub) in row_of:
+                ids[row_of[id(sub)]] = block_id
+    if any(i is None for i in ids):
+        return None
+    return ids  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def mean_eval_loss(model: nn.Module, micro_batches: Iterable[dict]) -> torch.Tensor:
+    """Mean main (language-model) loss of ``micro_batches`` through ``model`` (fp64 0-d tensor)."""
+    total, n = None, 0
+    for batch in micro_batches:
+        loss = model(**batch).loss.detach().to(torch.float64)
+        total = loss if total is None else total + loss
+        n += 1
+    return total / n
 
 
 class StepStrategy(ABC):
@@ -224,10 +260,6 @@ class StepStrategy(ABC):
     also runs under other strategies (the checkpoint callback under a user's plain Lightning
     strategy) asks ``isinstance(strategy, StepStrategy)`` and then uses these members, typed,
     instead of probing attributes; a subclass that misses one cannot be instantiated."""
-
-    pipeline: Optional[PipelineStep] = None
-    """The pipeline schedule with ``pipeline_parallel > 1`` (it runs all micro-batches of a step
-    through every stage); None: the module runs the micro-batches itself."""
 
     @property
     @abstractmethod
@@ -273,3 +305,36 @@ class StepStrategy(ABC):
     def collective_timeout(self) -> Optional[timedelta]:
         """How long a rank waits for the others in a collective (the run's process-group timeout;
         the checkpoint's own gloo group uses it too, so that a dead rank ends a save with an error)."""
+
+    # -- what the step, the callbacks and the checkpoint code ask, whatever the layout ----------------
+    @abstractmethod
+    def run_micro_batches(self, micro_batches: list[dict]) -> Optional[StepRecord]:
+        """Forward and backward of a step's micro-batches when the strategy schedules them itself
+        (pipeline parallel: through every stage), gradients accumulated; returns what the step
+        records of them. None: nothing was run, the module runs each micro-batch through its model."""
+
+    @abstractmethod
+    def embedding_grad_norm(self, model: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Global L2 norm of the input-embedding gradient and 1.0 when there is one (0.0 else), as
+        device tensors, the same on every rank; None when this rank knows there is none. Every rank
+        calls it (it may take part in collectives)."""
+
+    @abstractmethod
+    def whole_model_moe(self, moe: Optional[MoEStepStats]) -> Optional[MoEStepStats]:
+        """The whole model's routing statistics from this rank's (``moe``: its model's MoE layers, None
+        without any), rows in :meth:`moe_block_ids` order, on the device; every rank calls it once per step."""
+
+    @abstractmethod
+    def moe_block_ids(self, model: nn.Module) -> Optional[list[int]]:
+        """Block id of each row of :meth:`whole_model_moe`'s statistics (None: the model does not say)."""
+
+    @abstractmethod
+    def eval_loss(self, model: nn.Module, micro_batches: list[dict]) -> torch.Tensor:
+        """Mean main loss of ``micro_batches`` through the whole model, no gradients, in eval mode
+        (fp64 0-d tensor, the same on every rank of one model replica); every rank calls it."""
+
+    @property
+    @abstractmethod
+    def holds_whole_model(self) -> bool:
+        """Whether this rank's model has every tensor of the model (False: a pipeline stage's part; a
+        checkpoint's other tensors are then the other ranks' to load)."""

@@ -189,7 +189,7 @@ def test_pipeline_accumulates_micro_batch_num():
 def _layout(pyn: dict):
     """The stages ``lit_moe fit`` builds from the converted section (lit_moe's own reader)."""
     from lit_moe.config import build_section
-    from lit_moe.strategies.pipeline import PipelineLayout
+    from lit_moe.pipeline import PipelineLayout
 
     par = build_section(ParallelismConfig, pyn["parallelism"], "parallelism")
     return PipelineLayout.from_config(par, pyn["model"]["num_hidden_layers"])

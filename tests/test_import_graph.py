@@ -23,6 +23,10 @@ LAYERS = [
     ["lit_moe.data", "lit_moe.optim", "lit_moe.lora"],
     ["lit_moe.checkpoint"],
     ["lit_moe.strategies"],
+    # the pipeline builds its stages with the strategies' parallelisms; the strategy, and the plans
+    # that print per pipeline rank, use it
+    ["lit_moe.pipeline"],
+    ["lit_moe.strategies.strategy", "lit_moe.strategies.plan", "lit_moe.strategies.memory_plan"],
     ["lit_moe.callbacks"],
     ["lit_moe.tools", "lit_moe.name_keys"],
     ["lit_moe.module"],
@@ -222,8 +226,10 @@ def test_no_parallelism_rebinds_the_model():
         if hits:
             found[name] = hits
     assert {f: len(h) for f, h in found.items()} == {f: n for f, (n, _) in STILL_REBINDING.items()}, found
-    # a pipeline stage shares the model's hooks object, it does not copy the model's attributes
-    assert "vars(model)" not in (ROOT / "lit_moe/strategies/pipeline.py").read_text()
+    # a pipeline stage shares the model's hooks object, it does not copy the model's attributes, and
+    # it runs the model's own forward (no head, MTP or embedding code of its own)
+    stage = (ROOT / "lit_moe/pipeline/stage.py").read_text()
+    assert not [word for word in ("vars(model)", "_head(", "_mtp_forward(", ".embed(", "streams_in(") if word in stage]
 
 
 def test_the_model_does_not_import_fsdp():
@@ -240,3 +246,53 @@ def test_the_top_level_shows_the_architecture():
     concept (model, ops, data, optim, runtime, checkpoint, strategies, callbacks, tools)."""
     top = sorted(p.name for p in (ROOT / "lit_moe").glob("*.py"))
     assert len(top) <= 8, top
+
+
+# ----------------------------------------------------------------------------------------------
+# the pipeline behind the strategy interface: only the strategy package (and the pipeline's own)
+# knows that a rank may hold part of the model; the module, the callbacks and the checkpoint code
+# ask lit_moe.step.StepStrategy
+# ----------------------------------------------------------------------------------------------
+PIPELINE_HOME = ("lit_moe/strategies/", "lit_moe/pipeline/")
+PROBED = {"pipeline", "holds_part_of_model"}
+
+
+def _names_strategy(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "strategy" in name.lower()
+
+
+def pipeline_probes(source: str) -> list[str]:
+    """``line: what`` for each ``<strategy>.pipeline``, ``getattr``/``hasattr`` of ``pipeline`` or
+    ``holds_part_of_model``, and any other mention of ``holds_part_of_model``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr == "holds_part_of_model"
+                                                or (node.attr == "pipeline" and _names_strategy(node.value))):
+            found.append(f"{node.lineno}: .{node.attr}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PROBED):
+            found.append(f"{node.lineno}: {node.func.id}({node.args[1].value!r})")
+        if isinstance(node, ast.Constant) and node.value == "holds_part_of_model":
+            found.append(f"{node.lineno}: 'holds_part_of_model'")
+    return sorted(set(found))
+
+
+def test_the_pipeline_probe_check_sees_each_form():
+    planted = ("p = trainer.strategy.pipeline\nq = self.step_strategy.pipeline\nr = getattr(s, 'pipeline', None)\n"
+               "any(m.holds_part_of_model for m in mods)\nhasattr(m, 'holds_part_of_model')\n")
+    assert pipeline_probes(planted) == ["1: .pipeline", "2: .pipeline", "3: getattr('pipeline')",
+                                        "4: .holds_part_of_model", "5: 'holds_part_of_model'",
+                                        "5: hasattr('holds_part_of_model')"]
+    assert pipeline_probes("self.pipeline(model)\nstrategy.holds_whole_model\n") == []
+
+
+def test_no_pipeline_probe_outside_the_strategies():
+    found = {}
+    for path in sorted((ROOT / "lit_moe").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if not name.startswith(PIPELINE_HOME):
+            hits = pipeline_probes(path.read_text())
+            if hits:
+                found[name] = hits
+    assert found == {}

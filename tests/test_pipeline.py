@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
-from lit_moe.strategies.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
+from lit_moe.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
 from helpers import scaled, selected_layouts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_schedules():
 def test_v_shape_with_mtp_needs_one_rank_per_stage():
     """First and last stage on one rank share the embedding: with one rank per stage (no FSDP) their
     gradients add up in one tensor (pp2_dualpipev_mtp below trains so); FSDP stage roots are refused."""
-    from lit_moe.strategies.pipeline import check_pipeline_run
+    from lit_moe.pipeline import check_pipeline_run
 
     knobs = SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=2,
                             pipeline_parallel_schedule="dualpipev")
@@ -113,6 +113,61 @@ def test_too_few_microbatches_names_global_batch_size():
     inter.check_microbatches(6)
     with pytest.raises(PipelineError, match="multiple of max"):
         inter.check_microbatches(5)
+
+
+@pytest.mark.parametrize("schedule, v, mtp", [("1f1b", 1, 1), ("zbv", 2, 1), ("interleaved_1f1b", 2, 0)])
+def test_the_planner_counts_what_the_stages_hold(schedule, v, mtp):
+    """``lit_moe plan``'s parameters of each pipeline rank are the parameters of the stage modules the
+    run builds on that rank (one membership rule: ``stage_parts``): the V shape puts the first and the
+    last stage on rank 0, MTP puts a copy of the embedding on the last stage."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.pipeline import parameters_of_ranks, split_model
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(mtp)))
+    knobs = SimpleNamespace(pipeline_parallel=2, pipeline_parallel_interleave_num=v, pipeline_parallel_schedule=schedule,
+                            pipeline_parallel_layers_per_stage=None)
+    layout = PipelineLayout.from_config(knobs, LAYERS)
+    names = [n for n, _ in model.named_parameters()]
+    planned = parameters_of_ranks(layout, names, LAYERS, mtp > 0)
+    for rank in range(2):
+        container, parts = split_model(model, layout, rank)
+        assert planned[rank] == {n for n, _ in container.named_parameters()}, rank
+        assert planned[rank] == {n for part in parts for n, _ in part.named_parameters()}, rank
+    assert ("embed_tokens.weight" in planned[1]) == (mtp > 0 and layout.rank_of(layout.num_stages - 1) == 1)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4"])
+def test_the_model_runs_in_parts(family):
+    """The model's own forward on the parts of a 3-stage split (no embedding after the first part: it
+    takes the hidden state; no head before the last: it returns the hidden state; each part its own
+    layers) gives the whole model's loss and MTP loss bit for bit, and its balancing loss (the same
+    terms summed per part; measured difference 0)."""
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.pipeline import split_model
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**model_section(1, family)))
+    with torch.no_grad():   # random norm weights: a part that skips or repeats a norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape))
+    tok = batches()[0, :2]
+    batch = {"input_ids": tok[:, :-1], "labels": tok[:, 1:]}
+    want = model(**batch)
+    layout = PipelineLayout(3, 1, "1f1b", ((0, 1), (1, 3), (3, 4)))
+    parts = [split_model(model, layout, rank)[1][0] for rank in range(3)]
+    assert parts[1].embed_tokens is None and parts[0].lm_head is None and list(parts[1].layers) == ["1", "2"]
+    h, aux = None, []
+    for part in parts:
+        out = DeepseekV3ForCausalLM.forward(part, **batch, hidden_states=h)
+        aux.append(out.aux_loss)
+        h = out.hidden_states
+    assert h is None and torch.equal(out.loss, want.loss) and torch.equal(out.mtp_loss, want.mtp_loss)
+    got_aux = sum(a for a in aux[:-1] if a is not None) + aux[-1]
+    assert torch.allclose(got_aux, want.aux_loss, rtol=1e-6, atol=0), (float(got_aux), float(want.aux_loss))
+    with pytest.raises(ValueError, match="no embedding"):
+        DeepseekV3ForCausalLM.forward(parts[1], **batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +301,7 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
     model.init_weights(7)
     opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, eps=adam_eps(family), foreach=False)
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": []}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "emb_norm": [], "counts": []}
     for step in range(STEPS):
         sums = torch.zeros(3)
         for micro in range(GLOBAL_BATCH):
@@ -257,11 +312,14 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
             sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
         params = [p for p in model.parameters() if p.grad is not None]
         norm = global_grad_norm(params)
+        out["emb_norm"].append(float(global_grad_norm([model.embed_tokens.weight])))
         clip_grads_with_norm_(params, MAX_NORM, norm)
         out["grad_norm"].append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        model.update_expert_bias(torch.stack([m.tokens_per_expert for m in model.moe_layers()]))
+        counts = torch.stack([m.tokens_per_expert for m in model.moe_layers()])
+        out["counts"].append(counts.float().clone())
+        model.update_expert_bias(counts)
         out["loss"].append(float(sums[0]))
         out["aux"].append(float(sums[1]))
         out["mtp"].append(float(sums[2]))
@@ -287,14 +345,23 @@ def pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank: int) -> f
     """``lit_moe.callbacks.evaluation.Evaluation``'s pass under the pipeline (micro-batches of one sample,
     ``EVAL_SAMPLES / dp`` per data-parallel rank: all the samples over the ranks)."""
     from lit_moe.callbacks.evaluation import Evaluation
-    from lit_moe.strategies.pipeline import PipelineParallel
+    from lit_moe.pipeline import PipelineParallel
 
-    pipeline = PipelineParallel(dims, layout, container, parts, egroup)
     ev = Evaluation(eval_interval=1, eval_iters=EVAL_SAMPLES // dims.dp, local_batch_size=1)
     ev.dataset = [{"input_ids": s[:-1].numpy(), "labels": s[1:].numpy()} for s in eval_samples()]
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), pipeline=pipeline),
+    trainer = SimpleNamespace(strategy=pipeline_strategy(PipelineParallel(dims, layout, container, parts, egroup)),
                               datamodule=SimpleNamespace(dp_rank=dp_rank, dp_size=dims.dp))
     return ev.evaluate(trainer, SimpleNamespace(model=container))
+
+
+def pipeline_strategy(pipeline):
+    """The run's strategy on one CPU rank around ``pipeline`` (what ``parallelize`` leaves under pp > 1)."""
+    from lit_moe.strategies import AscendFSDPStrategy
+
+    strategy = AscendFSDPStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.pipeline = pipeline
+    return strategy
 
 
 def _moe_by_layer(model) -> dict:
@@ -314,7 +381,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies import ParallelDims
-    from lit_moe.strategies.pipeline import (PipelineRunner, embedding_duplicates, embedding_group,
+    from lit_moe.step import MoEStepStats
+    from lit_moe.pipeline import (PipelineParallel, PipelineRunner, embedding_duplicates, embedding_group,
                                              parallelize_pipeline, pipeline_grad_norm)
     from test_step_layouts import COLLECTIVES, fsdp_units
 
@@ -358,8 +426,11 @@ def run_layout(name: str, out_dir: Path) -> None:
     # rank reports its share of the sequence's loss and routes its own tokens)
     dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [],
-           "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
+    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [], "emb_norm": [],
+           "counts": [], "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
+    # what the run's strategy answers the callbacks for this rank's stages: the embedding's gradient
+    # norm and the whole model's MoE statistics, on every rank
+    strategy = pipeline_strategy(PipelineParallel(dims, layout, container, parts, egroup))
     for step in range(STEPS):
         COLLECTIVES.clear()
         tok = data[step, dp_rank * A:(dp_rank + 1) * A]
@@ -367,6 +438,8 @@ def run_layout(name: str, out_dir: Path) -> None:
         losses = runner.step({"input_ids": tok[:, :-1], "labels": tok[:, 1:], **extra})
         dist.all_reduce(losses, group=dp_cp)
         losses /= dims.dp_cp
+        emb_norm, has_emb = strategy.embedding_grad_norm(container)
+        out["emb_norm"].append(float(emb_norm) if float(has_emb) else None)
         params = [p for p in container.parameters() if p.grad is not None]
         norm = pipeline_grad_norm(params, dims.mesh("stage").get_group(), pp_mesh.get_group(), dup)
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
@@ -376,10 +449,16 @@ def run_layout(name: str, out_dir: Path) -> None:
         opt.zero_grad(set_to_none=True)
         out["collectives"].append(dict(COLLECTIVES))
         moes = container.moe_layers()
+        local = None
         if moes:
-            counts = torch.stack([_local(m.tokens_per_expert) for m in moes])
+            counts = torch.stack([_local(m.tokens_per_expert) for m in moes]).float()
             dist.all_reduce(counts, group=dp_cp)
+            zeros = counts.new_zeros(len(moes))
+            local = MoEStepStats(tokens_per_expert=counts, aux_loss=None, dropped=zeros, assigned=zeros,
+                                 expert_bias=torch.stack([_local(m.router.expert_bias).float() for m in moes]))
             container.update_expert_bias(counts)
+        whole = strategy.whole_model_moe(local)
+        out["counts"].append(whole.tokens_per_expert.clone())
         out["loss"].append(float(losses[0]))
         out["aux"].append(float(losses[1]))
         out["mtp"].append(float(losses[2]))
@@ -466,6 +545,11 @@ def test_layout_matches_one_process(name, runs, references):
         assert _rel(out["val_loss"], ref["val_loss"]) < RTOL, (name, r, out["val_loss"], ref["val_loss"])
         for key in ("loss", "aux", "grad_norm") + (("mtp",) if spec["mtp"] else ()):
             assert _rel(out[key], ref[key]) < rtol, (name, r, key, out[key], ref[key])
+        # the strategy's answers for the callbacks, on every rank whatever stages it holds: the
+        # embedding's gradient norm (the first stage's) and every MoE layer's token counts
+        assert _rel(out["emb_norm"], ref["emb_norm"]) < rtol, (name, r, out["emb_norm"], ref["emb_norm"])
+        for step in range(STEPS):
+            assert torch.equal(out["counts"][step], ref["counts"][step]), (name, r, step)
         for step in range(STEPS):
             for layer, bias in out["bias"][step].items():
                 assert _rel(bias, ref["bias"][step][layer]) < rtol, (name, r, step, layer)
@@ -637,7 +721,7 @@ def test_zero_bubble_with_fsdp_refuses_resharding_always():
     from lit_moe.config import ParallelismConfig
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.strategies.parallel_dims import ParallelDims
-    from lit_moe.strategies.pipeline import parallelize_pipeline
+    from lit_moe.pipeline import parallelize_pipeline
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -364,7 +364,7 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says():
     from lit_moe.model.moe import bucketed_group_rows
     from lit_moe.strategies.activation_memory import (head_bytes, head_weight_grad_bytes, layer_activation_bytes,
                                                       layer_weight_grad_bytes, per_forward_bytes)
-    from lit_moe.strategies.pipeline import DeepseekV3Stage
+    from lit_moe.pipeline import DeepseekV3Stage, StageParts
 
     cfg = DeepseekV3Config(**_tiny_pipeline_model())
     torch.manual_seed(0)
@@ -372,7 +372,8 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says():
     model.init_weights(0)
     S, H = cfg.seq_length, cfg.hidden_size
     for layers, last in (([0, 1], False), ([2, 3], True)):
-        stage = DeepseekV3Stage(model, layers, first=False, last=last)
+        stage = DeepseekV3Stage(model, StageParts(tuple(layers), first=False, last=last,
+                                                  embedding=last and len(model.mtp) > 0))
         params = list(stage.parameters())
         rows: dict[int, list[int]] = {i: [] for i in layers}
         hooks = [model.layers[i].mlp.router.register_forward_hook(
@@ -442,7 +443,7 @@ def test_schedule_peaks_in_flight():
     (its warm-up), interleaved 1F1B Megatron's warm-up (P - r - 1)·2 + (V - 1)·P + 1, ZB-V 2P chunks of
     half a rank's layers (the ZB-V paper: the same peak as 1F1B's first rank)."""
     from lit_moe.strategies.activation_memory import peak_in_flight
-    from lit_moe.strategies.pipeline import PipelineLayout
+    from lit_moe.pipeline import PipelineLayout
 
     P, A = 4, 8
     ones = {s: 1 for s in range(2 * P)}

@@ -106,7 +106,7 @@ def test_bad_ramps_are_one_line_naming_the_key(value, words):
 
 def test_plan_prints_the_ramp_and_checks_every_level_against_the_pipeline(tmp_path):
     from test_plan import SEED, _tiny_pipeline_model
-    from lit_moe.strategies.pipeline import PipelineError
+    from lit_moe.pipeline import PipelineError
     from lit_moe.strategies.plan import plan
 
     cfg = copy.deepcopy(SEED)

@@ -17,9 +17,9 @@ samples ``[(k·D + r)·b, (k·D + r + 1)·b)`` of the split (``D`` data-parallel
 checkpoint, and a resumed run evaluates exactly what the uninterrupted run does. Samples are read
 by index (no DataLoader, no random state touched; the RNG states are restored after the pass, so
 training continues bit-identically with or without evaluation). Ranks of one tensor/context
-parallel group read the same samples, like training. Under pipeline parallelism the micro-batches
-go forward through the stages (:func:`lit_moe.strategies.pipeline.forward_only`) and the last
-stage's loss reaches every rank of the pipeline before the mean over data-parallel ranks.
+parallel group read the same samples, like training. The strategy runs the micro-batches through the
+whole model (:meth:`lit_moe.step.StepStrategy.eval_loss`; a pipeline through its stages, the last
+stage's loss reaching every rank of the pipeline) before the mean over data-parallel ranks.
 
 The pass costs one host synchronisation (the final all-reduce of the loss); steps without an
 evaluation cost nothing (the check is integer arithmetic on the step count).
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lit_moe.config import ConfigError
+from lit_moe.step import StepStrategy, mean_eval_loss
 
 
 def check_eval_settings(eval_interval: Any, eval_iters: Any) -> tuple[int, int]:
@@ -127,21 +128,16 @@ class Evaluation(Callback):
         rank, size = self._data_parallel(trainer)
         was_training = model.training
         devices = [device] if device.type == "cuda" else []
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        pipeline = getattr(trainer.strategy, "pipeline", None)
+        strategy = trainer.strategy
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             model.eval()
             try:
-                batches = ({key: v.to(device, non_blocking=True) for key, v in self.micro_batch(k, rank, size).items()}
-                           for k in range(self.eval_iters))
-                if pipeline is not None:
-                    # the micro-batches go through the stages; every pipeline rank gets the last
-                    # stage's mean loss
-                    total = pipeline.evaluate(list(batches)).to(device)
-                else:
-                    for batch in batches:
-                        total += model(**batch).loss.detach().to(torch.float64)
-                    total = total / self.eval_iters
+                batches = [{key: v.to(device, non_blocking=True) for key, v in self.micro_batch(k, rank, size).items()}
+                           for k in range(self.eval_iters)]
+                # the strategy runs them through the whole model (every rank of one model replica
+                # gets the value, whatever part of the model it holds)
+                total = (strategy.eval_loss(model, batches) if isinstance(strategy, StepStrategy)
+                         else mean_eval_loss(model, batches)).to(device)
             finally:
                 model.train(was_training)
         if dist.is_available() and dist.is_initialized():

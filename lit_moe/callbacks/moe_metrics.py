@@ -8,9 +8,8 @@ over micro-batches and data-parallel ranks (device tensors, copied to the host o
 ``assigned [L]`` (token-expert assignments dropped by the capacity / routed).
 
 Per reported layer (named by its block id: decoder layers 0..N-1, MTP layers N.., the ids that
-``recompute`` uses), every ``log_interval`` steps (under pipeline parallelism the stages' rows are
-gathered over the pipeline on those steps, so rank 0 reports every layer of the model, as one
-process does):
+``recompute`` uses), every ``log_interval`` steps (the statistics are the whole model's on every
+rank, whatever part of it a rank holds: rank 0 reports every layer):
 ``moe/layer{i}/load_imbalance`` (max/mean tokens per expert), ``moe/layer{i}/aux_loss``,
 ``moe/layer{i}/expert_bias_mean``, ``moe/layer{i}/expert_bias_max_abs`` and, when a capacity is set,
 ``moe/layer{i}/drop_rate`` (dropped/assigned); plus ``moe/max_load_imbalance`` (worst layer) and
@@ -33,7 +32,7 @@ from lightning.pytorch import Callback
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import add_png, add_scalar, check_log_interval, emit, is_log_step, tb_writer
 from lit_moe.callbacks.heatmap import png_size, render_heatmap
-from lit_moe.step import MoEStepStats, StepMetrics
+from lit_moe.step import MoEStepStats, StepMetrics, StepStrategy, model_moe_block_ids
 
 DEFAULT_EXPERT_INTERVAL = 50
 
@@ -55,32 +54,15 @@ def layer_stats(moe: MoEStepStats, row: int) -> dict[str, Optional[float]]:
     return out
 
 
-def moe_block_ids(pl_module: Any, n_rows: int) -> list[int]:
+def moe_block_ids(trainer: Any, pl_module: Any) -> Optional[list[int]]:
     """Block id (decoder layer index, MTP layers after the decoder) of each row of the ``moe``
-    tensors, found by locating each ``model.moe_layers()[k]`` inside ``model.blocks()``; falls back
-    to 0..n_rows-1 when the model does not expose them."""
+    tensors: the strategy's answer (:meth:`lit_moe.step.StepStrategy.moe_block_ids`, the whole
+    model's, whatever part this rank holds), or the module's model's; None when neither says."""
+    strategy = getattr(trainer, "strategy", None)
     model = getattr(pl_module, "model", None)
-    try:
-        moe_layers = list(model.moe_layers())
-        blocks = list(model.blocks())
-    except (AttributeError, TypeError):
-        return list(range(n_rows))
-    row_of = {id(m): k for k, m in enumerate(moe_layers)}
-    ids: list[Optional[int]] = [None] * len(moe_layers)
-    # a pipeline stage holds some blocks only and names their global ids
-    block_ids = list(model.block_ids()) if hasattr(model, "block_ids") else range(len(blocks))
-    for block_id, block in zip(block_ids, blocks):
-        for sub in block.modules():
-            if id(sub) in row_of:
-                ids[row_of[id(sub)]] = block_id
-    if len(ids) != n_rows or any(i is None for i in ids):
-        return list(range(n_rows))
-    return ids  # type: ignore[return-value]
-
-
-def _pipeline(trainer: Any) -> Any:
-    """The strategy's pipeline (:class:`lit_moe.strategies.pipeline.PipelineParallel`), or None."""
-    return getattr(getattr(trainer, "strategy", None), "pipeline", None)
+    if isinstance(strategy, StepStrategy):
+        return strategy.moe_block_ids(model)
+    return model_moe_block_ids(model)
 
 
 def capacity_is_set(pl_module: Any) -> bool:
@@ -139,9 +121,10 @@ class MoEMetrics(Callback):
         self._rows: Optional[list[int]] = None   # rows of the moe tensors to report
         self._names: Optional[list[str]] = None  # their layer names
 
-    def _select(self, pl_module: Any, n_rows: int, pipeline: Any = None) -> None:
-        # a pipeline run reports the whole model's layers, gathered from every stage
-        ids = pipeline.moe_block_ids() if pipeline is not None else moe_block_ids(pl_module, n_rows)
+    def _select(self, trainer: Any, pl_module: Any, n_rows: int) -> None:
+        ids = moe_block_ids(trainer, pl_module)
+        if ids is None or len(ids) != n_rows:
+            ids = list(range(n_rows))
         if self.target_layers is None:
             rows = list(range(n_rows))
         elif isinstance(self.target_layers, int):
@@ -163,36 +146,24 @@ class MoEMetrics(Callback):
 
             log_dir = tensorboard_log_dir(trainer)
             self.heatmap_dir = str(Path(log_dir) / "expert_load") if log_dir else None
-        pipeline = _pipeline(trainer)
-        if pipeline is not None:
-            if pipeline.moe_block_ids():
-                self._select(pl_module, len(pipeline.moe_block_ids()), pipeline)
-            return
-        model = getattr(pl_module, "model", None)
-        if hasattr(model, "moe_layers"):
-            n = len(list(model.moe_layers()))
-            if n:
-                self._select(pl_module, n)   # config errors (target_layers) before the first step
+        ids = moe_block_ids(trainer, pl_module)
+        if ids:
+            self._select(trainer, pl_module, len(ids))   # config errors (target_layers) before the first step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         m: StepMetrics = pl_module.step_metrics
-        pipeline = _pipeline(trainer)
-        if (m.moe is None) if pipeline is None else not pipeline.moe_block_ids():
+        if m.moe is None:
             return
         moe, step = m.moe, m.step
         logged = is_log_step(step, self.log_interval)
         experts_due = is_log_step(step, self.expert_interval)
         if not (logged or experts_due):
             return
-        if pipeline is not None:
-            # each pipeline rank holds its stages' layers (a rank may hold none): every rank takes
-            # part in gathering them, on log steps only
-            moe = pipeline.gather_moe_stats(moe, trainer.strategy.root_device)
         if not trainer.is_global_zero:
             return
         if self._rows is None:
-            self._select(pl_module, moe.tokens_per_expert.shape[0], pipeline)
+            self._select(trainer, pl_module, moe.tokens_per_expert.shape[0])
         writer = tb_writer(trainer)
         samples = m.consumed_samples
         moe = moe.cpu()   # one host copy of the step's device statistics (log steps only)

@@ -23,7 +23,7 @@ import torch
 from lit_moe.config import ConfigError
 from lit_moe.callbacks._common import check_log_interval, emit, is_log_step, steps_done
 from lit_moe.step import StepGuard, StepStrategy
-from lit_moe.strategies.clip import global_grad_norm
+from lit_moe.strategies.clip import embedding_grad_norm
 
 
 class SkipLimitExceeded(RuntimeError):
@@ -34,17 +34,13 @@ class SkipLimitExceeded(RuntimeError):
 
 def _embedding_grad_norm(pl_module: Any, trainer: Any = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Global L2 norm of the input-embedding gradient and whether there is one (device tensors), or
-    None when this rank knows there is none."""
-    pipeline = trainer.strategy.pipeline if isinstance(getattr(trainer, "strategy", None), StepStrategy) else None
-    if pipeline is not None:   # only some stages hold the embedding: every rank joins its norm's collectives
-        return pipeline.embedding_grad_norm()
+    None when this rank knows there is none. The strategy knows where the embedding lives (every rank
+    asks it: it may take part in collectives); another strategy's model holds it whole."""
+    strategy = getattr(trainer, "strategy", None)
     model = getattr(pl_module, "model", None)
-    embed = getattr(model, "embed_tokens", None)
-    weight = getattr(embed, "weight", None)
-    if weight is None or weight.grad is None:
-        return None
-    norm = global_grad_norm([weight])  # mesh-aware (DTensor placements, mixed meshes)
-    return norm, torch.ones((), device=norm.device)
+    if isinstance(strategy, StepStrategy):
+        return strategy.embedding_grad_norm(model)
+    return embedding_grad_norm(model)
 
 
 class GlobalNormSkipGuard(StepGuard):

@@ -471,10 +471,13 @@ def _prefix_map(live_keys: Sequence[str], saved_keys: set[str], where: Path) -> 
     return {k: k for k in live}  # let check_shapes name what is missing
 
 
-def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool = False) -> None:
+def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool = False,
+                whole_model: bool = True) -> None:
     """Load the model tensors of ``reader`` into ``module`` (any layout; DTensors or plain tensors).
     Every tensor must be present with the same global shape, and the checkpoint (under the module's
-    prefix) must hold nothing else."""
+    prefix) must hold nothing else, unless ``whole_model`` is False: this rank holds part of the
+    model (:attr:`lit_moe.step.StepStrategy.holds_whole_model`), the other tensors are the other
+    ranks' to load (the whole checkpoint was checked against the whole model before launching)."""
     from lit_moe.lora import keep_initialised_adapters
 
     sd = get_model_state_dict(module)
@@ -484,10 +487,7 @@ def load_module(module: torch.nn.Module, reader: IterationReader, balanced: bool
     prefix = _common_prefix(mapping)
     targets = {mapping[k]: p for k, p in live.items()}
     view = _SubIndex(index, {k for k in index.keys() if k.startswith(prefix)})
-    # A pipeline stage holds part of the model: the other stages' tensors are theirs to load (the
-    # whole checkpoint was checked against the whole model before launching).
-    partial = any(getattr(m, "holds_part_of_model", False) for m in module.modules())
-    check_shapes(view, targets, "the model weights", reader.path, strict_unexpected=not partial)
+    check_shapes(view, targets, "the model weights", reader.path, strict_unexpected=whole_model)
     fill(index, targets, balanced)
     set_model_state_dict(module, sd)
 
@@ -509,8 +509,9 @@ class _SubIndex:
 
 
 def load_optimizers(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], reader: IterationReader,
-                    balanced: bool = False) -> None:
-    """Load optimizer states and hyper-parameters (learning rate included) into live optimizers."""
+                    balanced: bool = False, whole_model: bool = True) -> None:
+    """Load optimizer states and hyper-parameters (learning rate included) into live optimizers
+    (``whole_model``: as :func:`load_module`)."""
     if not reader.has_optimizer:
         raise CheckpointError(f"no_load_optim is False but no optimizer checkpoint found in {reader.path} "
                               "(it was saved with no_save_optim: True); set checkpoint.no_load_optim: True")
@@ -528,8 +529,7 @@ def load_optimizers(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
         tensors, _ = split_optimizer_state(i, osd)
         targets = pieces_of(tensors)
         view = _SubIndex(index, {k for k in index.keys() if k.startswith(f"{i}/")})
-        partial = any(getattr(m, "holds_part_of_model", False) for m in module.modules())  # see load_module
-        check_shapes(view, targets, f"optimizer {i} state", reader.path, strict_unexpected=not partial)
+        check_shapes(view, targets, f"optimizer {i} state", reader.path, strict_unexpected=whole_model)
         fill(index, targets, balanced)
         for fqn, st in osd["state"].items():
             for name in list(st):
@@ -538,7 +538,7 @@ def load_optimizers(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
                     st[name] = nontensor[key]
         live_groups = osd["param_groups"]
         saved = saved_groups[i]
-        # the live groups may hold a subset of the saved names (pipeline stages: each rank its own)
+        # the live groups may hold a subset of the saved names (part of the model: each rank its own)
         if len(saved) != len(live_groups) or any(not set(g["params"]) <= set(s["params"])
                                                  for s, g in zip(saved, live_groups)):
             raise CheckpointError(f"optimizer {i} in {reader.path} has different parameter groups than the run "

@@ -35,6 +35,7 @@ from lit_moe.checkpoint.iteration import (
 from lit_moe.checkpoint.layout import COMMON, TRACKER, CheckpointError, iteration_name, list_iterations, read_tracker
 from lit_moe.checkpoint.sharded import check_shapes
 from lit_moe.config import CheckpointConfig, ConfigError
+from lit_moe.step import StepStrategy
 
 RESUMED = "lit_moe_resumed_from"  # marks a Lightning checkpoint dict produced by load_lightning_checkpoint
 HF_INDEX = "model.safetensors.index.json"
@@ -44,13 +45,13 @@ HF_SINGLE = "model.safetensors"
 @dataclass
 class LoadPlan:
     """What ``checkpoint.load_path`` asks for. ``kind``: ``none``, ``resume``, ``weights`` or
-    ``huggingface``; ``ckpt_path`` for ``trainer.fit`` (resume only); ``weights_loader(model)``
-    for weights-only loads; ``step``: the saved step of a lit_moe checkpoint."""
+    ``huggingface``; ``ckpt_path`` for ``trainer.fit`` (resume only); ``weights_loader(model, whole_model=True)``
+    for weights-only loads (``whole_model`` False: the model is this rank's part of it); ``step``: the saved step of a lit_moe checkpoint."""
 
     kind: str = "none"
     path: Optional[Path] = None
     ckpt_path: Optional[str] = None
-    weights_loader: Optional[Callable[[torch.nn.Module], None]] = None
+    weights_loader: Optional[Callable[..., None]] = None
     step: Optional[int] = None
 
 
@@ -158,8 +159,9 @@ class WeightsLoader:
         self.balanced = cfg.load_balanced
         self.workers = cfg.load_worker_number
 
-    def __call__(self, model: torch.nn.Module) -> None:
-        load_module(model, IterationReader(self.path, workers=self.workers), balanced=self.balanced)
+    def __call__(self, model: torch.nn.Module, whole_model: bool = True) -> None:
+        load_module(model, IterationReader(self.path, workers=self.workers), balanced=self.balanced,
+                    whole_model=whole_model)
 
     def __repr__(self) -> str:
         return f"WeightsLoader({str(self.path)!r})"
@@ -173,7 +175,8 @@ class HFWeightsLoader:
         self.model_config = model_config
         self.workers = cfg.load_worker_number
 
-    def __call__(self, model: torch.nn.Module) -> None:
+    def __call__(self, model: torch.nn.Module, whole_model: bool = True) -> None:
+        # (the Hugging Face directory's names are mapped onto the model's own: any part of it)
         from lit_moe.checkpoint.hf_load import load_hf_into
 
         load_hf_into(model, self.path, self.model_config, workers=self.workers)
@@ -197,6 +200,12 @@ def is_lit_moe_checkpoint(path: Any) -> bool:
 RNG_STATE = "lit_moe_rng_state"  # this rank's RNG state, in the checkpoint dict Lightning hands around
 
 
+def holds_whole_model(strategy: Any) -> bool:
+    """Whether this rank's model is the whole model (:class:`~lit_moe.step.StepStrategy` says; another
+    strategy's model is)."""
+    return strategy.holds_whole_model if isinstance(strategy, StepStrategy) else True
+
+
 def load_lightning_checkpoint(strategy: Any, path: Any, cfg: CheckpointConfig) -> dict:
     """Restore the weights (and, once the optimizers exist, their states) in place and return
     Lightning's checkpoint dict (loops, LR schedulers, callbacks, DataModule) for the Trainer, with
@@ -204,10 +213,11 @@ def load_lightning_checkpoint(strategy: Any, path: Any, cfg: CheckpointConfig) -
     number of ranks)."""
     reader = IterationReader(find_iteration_dir(Path(path)), workers=cfg.load_worker_number)
     module = strategy.lightning_module
-    load_module(module, reader, balanced=cfg.load_balanced)
+    whole = holds_whole_model(strategy)
+    load_module(module, reader, balanced=cfg.load_balanced, whole_model=whole)
     pending = True
     if strategy.optimizers:  # strategies that restore after setup (ModelParallelStrategy)
-        load_optimizers(module, strategy.optimizers, reader, balanced=cfg.load_balanced)
+        load_optimizers(module, strategy.optimizers, reader, balanced=cfg.load_balanced, whole_model=whole)
         pending = False
     rank, world = _rank_world()
     state = reader.trainer_state()
@@ -248,7 +258,7 @@ class IterationResume:
             info = checkpoint[RESUMED]
             if info["optimizer_pending"]:
                 load_optimizers(self.lightning_module, self.optimizers, info["reader"],
-                                balanced=self._load_options().load_balanced)
+                                balanced=self._load_options().load_balanced, whole_model=holds_whole_model(self))
                 info["optimizer_pending"] = False
             return None
         return super().load_optimizer_state_dict(checkpoint, *args, **kwargs)

@@ -50,6 +50,9 @@ class CausalLMOutput:
     indexer_loss: Optional[torch.Tensor] = None
     """DeepSeek-V3.2: sum over the indexers of their KL losses, coefficient included (a training forward
     with ``dsa_indexer_loss_coeff > 0``; None otherwise). Trains the indexers only."""
+    hidden_states: Optional[torch.Tensor] = None
+    """The residual after this model's layers when it holds no head (a pipeline stage before the
+    last: ``aux_loss`` is then its layers' balancing loss, None when they have none)."""
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -100,9 +103,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.init_weights(torch.initial_seed())
 
     # ------------------------------------------------------------------ structure
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers this model holds, in order (a pipeline stage's ``layers`` is a
+        ``ModuleDict`` of its own, keyed by their global index)."""
+        return list(self.layers.values()) if isinstance(self.layers, nn.ModuleDict) else list(self.layers)
+
     def blocks(self) -> list[nn.Module]:
         """Decoder layers, then the MTP layers' decoder layers (ids 0..total_layers-1)."""
-        return [*self.layers, *(m.layer for m in self.mtp)]
+        return [*self.decoder_layers(), *(m.layer for m in self.mtp)]
 
     def moe_layers(self) -> list[MoE]:
         """Every MoE module, in block order."""
@@ -176,12 +184,26 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                actual_seq_len: Optional[torch.Tensor] = None) -> CausalLMOutput:
+                actual_seq_len: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        """Embedding → decoder layers → (mHC collapse) → final norm and head → MTP depths.
+
+        A model may hold part of itself (a pipeline stage, as TorchTitan's models do): given
+        ``hidden_states`` (the previous part's residual, ``[B, S, H]`` or mHC's ``[B, S, n, H]``) it
+        starts there instead of embedding ``input_ids`` (which every part still receives: positions,
+        masks, MTP); it runs the decoder layers it holds (:meth:`decoder_layers`); without
+        ``lm_head`` it stops after them and returns ``hidden_states`` and their balancing loss."""
         input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
             input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
-        h = self.streams_in(self.embed(input_ids, position_ids))
-        for layer in self.layers:
+        if hidden_states is None:
+            if self.embed_tokens is None:
+                raise ValueError("this part of the model holds no embedding: pass the previous part's hidden_states")
+            hidden_states = self.streams_in(self.embed(input_ids, position_ids))
+        h = hidden_states
+        for layer in self.decoder_layers():
             h = layer(h, ctx)
+        if self.lm_head is None:   # a part before the head: its residual goes on to the next part
+            return CausalLMOutput(logits=None, hidden_states=h, aux_loss=self._take_aux(self._main_moe))
         h = self.streams_out(h)
         mask = None
         if labels is not None:

@@ -81,3 +81,13 @@ def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, t
         by_device.setdefault((g.device, g.dtype), []).append(g)
     for (dev, dtype), tensors in by_device.items():
         torch._foreach_mul_(tensors, coef.to(device=dev, dtype=dtype))
+
+
+def embedding_grad_norm(model: object) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Global L2 norm of ``model.embed_tokens``' weight gradient (mesh-aware) and 1.0, as device
+    tensors, or None when the model has no such gradient (a frozen or absent embedding)."""
+    weight = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    if weight is None or weight.grad is None:
+        return None
+    norm = global_grad_norm([weight])  # mesh-aware (DTensor placements, mixed meshes)
+    return norm, torch.ones((), device=norm.device)

@@ -136,7 +136,7 @@ def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumula
                                        selection=selection, **kwargs)
         return [math + max(saved + head, backward_recompute_peak(model_config, tokens, local_batch_size, seq,
                                                                  recompute_layers, selection, saved, **kwargs))]
-    from lit_moe.strategies.pipeline import PipelineLayout
+    from lit_moe.pipeline import PipelineLayout
 
     # with pipelines the recomputed layer's transient is counted on top of the schedule's peak (an upper bound)
     transient = math + max((recompute_extra_bytes(model_config, i, tokens, local_batch_size, seq, recompute_layers,

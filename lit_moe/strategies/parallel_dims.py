@@ -511,7 +511,7 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             f"model.dsa_indexer_loss_coeff: {model_config.dsa_indexer_loss_coeff} (DeepSeek-V3.2's indexer loss) is "
             f"not implemented with tensor, context or pipeline parallel (tp={dims.tp}, cp={dims.cp}, pp={dims.pp}); "
             "set it to 0 or use data/expert parallel and FSDP")
-    if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
+    if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
 

@@ -136,7 +136,7 @@ def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model
     both read the same numbers."""
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
     from lit_moe.optim.schedules import RAMPUP_KEY, batch_ramp
-    from lit_moe.strategies.pipeline import PipelineLayout, check_pipeline_run
+    from lit_moe.pipeline import PipelineLayout, check_pipeline_run
     from lit_moe.strategies.strategy import check_parallelism_section
 
     check_parallelism_keys(parallelism)
@@ -257,7 +257,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  total (without activations{', all stages' if dims.pp > 1 else ''}): "
       f"{_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
     if dims.pp > 1:
-        from lit_moe.strategies.pipeline import PipelineLayout, plan_stages
+        from lit_moe.pipeline import PipelineLayout, plan_stages
 
         layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
         p("pipeline (the memory above is of the whole model; each pipeline rank holds its stages' part)", file=out)
@@ -340,7 +340,7 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
         out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model),
                "fsdp_buffers": _fsdp_buffer_bytes(model, model_config, is_zero1(parallelism))}
         if dims.pp > 1:
-            from lit_moe.strategies.pipeline import PipelineLayout, parameters_of_ranks
+            from lit_moe.pipeline import PipelineLayout, parameters_of_ranks
 
             layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
             held = parameters_of_ranks(layout, out["params_by_name"], model_config.num_hidden_layers,

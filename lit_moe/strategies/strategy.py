@@ -31,10 +31,10 @@ from lit_moe.config import (CheckpointConfig, ParallelismConfig, RecomputeCommCo
                              build_section)
 from lit_moe.runtime.distributed import release_process_groups_at_exit, set_group_timeout
 from lit_moe.runtime.launch import check_built_world
-from lit_moe.step import StepStrategy
+from lit_moe.step import MoEStepStats, StepRecord, StepStrategy, mean_eval_loss, model_moe_block_ids
 from lit_moe.strategies.accelerators import register_npu_accelerator
 from lit_moe.strategies.clip import clip_grads_with_norm_ as _clip_grads_with_norm_
-from lit_moe.strategies.clip import global_grad_norm
+from lit_moe.strategies.clip import embedding_grad_norm, global_grad_norm
 from lit_moe.strategies.parallel_dims import SHARD_STRATEGIES, ParallelDims, ParallelismError, is_zero1
 
 
@@ -91,7 +91,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
-        self.pipeline = None   # PipelineParallel with pipeline_parallel > 1 (lit_moe.strategies.pipeline)
+        self.pipeline = None   # PipelineParallel with pipeline_parallel > 1 (lit_moe.pipeline)
 
     # ------------------------------------------------------------------------------------------
     # environment and meshes
@@ -196,7 +196,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         if self._parallelized is model:  # configure_model may run more than once
             return model
         if self.parallel_dims.pp > 1:
-            from lit_moe.strategies.pipeline import PipelineParallel
+            from lit_moe.pipeline import PipelineParallel
 
             # the model becomes this rank's stages (every local parameter under its global name)
             self.pipeline = PipelineParallel.build(
@@ -216,6 +216,43 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         )
         self._parallelized = model
         return model
+
+    # ------------------------------------------------------------------------------------------
+    # what the step, callbacks and checkpoints ask (a pipeline answers for every stage)
+    # ------------------------------------------------------------------------------------------
+    def run_micro_batches(self, micro_batches: list[dict]) -> Optional[StepRecord]:
+        """A pipeline schedule runs the micro-batches through every stage; else None (the module runs them)."""
+        return None if self.pipeline is None else self.pipeline.forward_backward_record(micro_batches)
+
+    def embedding_grad_norm(self, model: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The input embedding's gradient norm (a pipeline: the first stage's, handed to every rank)."""
+        if self.pipeline is not None:   # only some stages hold the embedding: every rank joins the collectives
+            return self.pipeline.embedding_grad_norm()
+        return embedding_grad_norm(model)
+
+    def whole_model_moe(self, moe: Optional[MoEStepStats]) -> Optional[MoEStepStats]:
+        """``moe`` itself, or under a pipeline every stage's rows gathered over the pipeline (one
+        all-reduce on the device)."""
+        if self.pipeline is None:
+            return moe
+        return self.pipeline.gather_moe_stats(moe, self.root_device)
+
+    def moe_block_ids(self, model: nn.Module) -> Optional[list[int]]:
+        """Block ids of the model's MoE layers (a pipeline: of every stage's)."""
+        if self.pipeline is not None:
+            return self.pipeline.moe_block_ids()
+        return model_moe_block_ids(model)
+
+    def eval_loss(self, model: nn.Module, micro_batches: list[dict]) -> torch.Tensor:
+        """The model's mean main loss (a pipeline: through every stage, the last stage's value on every rank)."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(list(micro_batches))
+        return mean_eval_loss(model, micro_batches)
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """False under a pipeline (this rank holds its stages' parts)."""
+        return self.pipeline is None
 
     # ------------------------------------------------------------------------------------------
     # gradients

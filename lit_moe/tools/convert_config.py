@@ -342,7 +342,7 @@ def graph_stage_ranges(num_layers: int, offset: Any, pp: int, interleave: int = 
 
 def layers_per_stage_spec(ranges: list[tuple[int, int]], pp: int) -> list[str]:
     """``pipeline_parallel_layers_per_stage``: one string per pipeline position k of its chunks' inclusive
-    ranges, chunk c being stage c·pp + k (how :func:`lit_moe.strategies.pipeline.split_layers` reads it)."""
+    ranges, chunk c being stage c·pp + k (how :func:`lit_moe.pipeline.split_layers` reads it)."""
     interleave = len(ranges) // pp
     return [",".join(f"{ranges[c * pp + k][0]}-{ranges[c * pp + k][1] - 1}" for c in range(interleave))
             for k in range(pp)]
@@ -760,7 +760,7 @@ class _Converter:
             return
         from lit_moe.config import build_section
         from lit_moe.model import DeepseekV3Config
-        from lit_moe.strategies.pipeline import check_pipeline_run
+        from lit_moe.pipeline import check_pipeline_run
 
         parallelism = build_section(ParallelismConfig, self.out["parallelism"], "parallelism")
         check_pipeline_run(parallelism, DeepseekV3Config(**model), parallel["micro"], training["global_batch_size"],
