@@ -267,7 +267,7 @@ class MLAttention(nn.Module):
                 mask, _ = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
         if train_indexer:
-            target = attention_target(query, key, self.core_attention.scale, mask)
+            target = attention_target(query, key, self.core_attention.scale, mask, self.indexer.hooks)
             self.indexer.loss = self.indexer.loss_coeff * indexer_kl_loss(scores, target, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 

@@ -42,7 +42,10 @@ model, and only attention sees the other ranks' tokens.
   per token, ``index_head_dim`` wide) are all-gathered over cp and put in sequence order, each
   query's top-k is chosen among the keys its global position allows (:func:`indexer_keys`, the
   model's ``hooks.indexer_keys``), and the all-gather attention meets the selection's rows
-  (``context_parallel_method: colossal`` only).
+  (``context_parallel_method: colossal`` only). Its loss compares each of the rank's queries with the
+  main attention over the gathered keys (``hooks.indexer_target_keys``); every rank has as many
+  queries, so the mean of the ranks' means is the sequence's, and the keys' gradients go back to
+  their ranks through the gather's backward.
 * **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
   chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
@@ -196,6 +199,11 @@ class ContextParallelAttention(nn.Module):
         self.key_chunks = _chunks_of((r, cp) for r in range(cp)) if self.groups > 1 else self.query_chunks
         self.sorted_keys = sorted(self.key_chunks)
 
+    @property
+    def scale(self) -> float:
+        """The wrapped attention's softmax scale (DeepSeek-V3.2's indexer loss reads it for its target)."""
+        return self.inner.scale
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         # ``allowed``: this forward's ShardMasks (pipeline stages put them in the attention
@@ -316,9 +324,18 @@ def indexer_keys(k: torch.Tensor, allowed: Any, window_left: int, shard: _Shard,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's ``hooks.indexer_keys`` (DeepSeek-V3.2): this rank's indexer keys ``[B, S/cp, D]``
     → every rank's in sequence order ``[B, S, D]``, with this rank's query rows of the whole
-    sequence's mask. Computed without autograd, as the indexer's scores."""
+    sequence's mask. With autograd when ``k`` has it (the indexer loss): every rank's queries score
+    every key, so the backward sums each key's gradient from all ranks back to its own rank."""
     masks = allowed if isinstance(allowed, ShardMasks) else shard.current
-    return _gathered(k, group, shard.size), _query_rows(masks, shard.rank, shard.size, window_left)
+    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)
+    return keys, _query_rows(masks, shard.rank, shard.size, window_left)
+
+
+def indexer_target_keys(key: torch.Tensor, shard: _Shard, group: dist.ProcessGroup) -> torch.Tensor:
+    """The model's ``hooks.indexer_target_keys`` (DeepSeek-V3.2's indexer loss): this rank's attention
+    keys ``[B, heads, S/cp, d]`` → every rank's in sequence order ``[B, heads, S, d]`` (no autograd: the
+    target is detached), the columns of the indexer's selection (:func:`indexer_keys`)."""
+    return _gathered(key.transpose(1, 2), group, shard.size).transpose(1, 2)
 
 
 def whole_sequence(x: torch.Tensor, positions: torch.Tensor, allowed: Any, shard: _Shard,
@@ -425,6 +442,7 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     hooks.shard_inputs = shard_inputs
     if getattr(config, "sparse_attention", False):
         hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
+        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)
     if getattr(config, "v4_attention", False):
         hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
 
