@@ -622,8 +622,8 @@ BUGS: list[Bug] = [
     # ---------------------------------------------------------------- DeepSeek-V3.2 (the lightning indexer)
     # (a missing score scale cannot be planted: a positive factor on every score keeps the top-k ranking)
     Bug("v32_topk_over_queries", "families", "lit_moe/model/indexer.py",
-        "chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices",
-        "chosen = scores.topk(min(self.topk, k.shape[1]), dim=-2).indices",
+        "chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices",
+        "chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-2).indices",
         ("tests/test_deepseek_v32.py", "-k", "logits_match")),
     Bug("v32_relu_dropped", "families", "lit_moe/model/indexer.py",
         "out += weights[:, :, h, None] * F.relu(torch.bmm(q[:, :, h], k_t) * self.scale)",
@@ -701,6 +701,15 @@ BUGS: list[Bug] = [
         "    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)",
         "    keys = _gathered(k, group, shard.size)",
         ("tests/test_step_layouts.py", "-k", "v32_loss_cp2")),
+    # ... generation: the indexer's key cache (each new query's top-k among every token's keys)
+    Bug("v32_predict_stale_index_key", "predict (DeepSeek-V3.2)", "lit_moe/model/attention.py",
+        "            k = torch.cat([self.index_keys[layer], k], dim=1)",
+        "            k = torch.cat([self.index_keys[layer], self.index_keys[layer][:, -1:]], dim=1)",
+        ("tests/test_predict.py", "-k", "dsa_cache")),
+    Bug("v32_predict_selection_dropped", "predict (DeepSeek-V3.2)", "lit_moe/model/attention.py",
+        "        allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
+        "        attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
+        ("tests/test_predict.py", "-k", "dsa_cache")),
     # ---------------------------------------------------------------- plan: TP's sequence split, selective recompute
     Bug("plan_sequence_split_ignored", "plan memory", "lit_moe/strategies/activation_memory.py",
         '    T, H, Tl = tokens, c.hidden_size, tokens // tp\n    a = _bytes(c.torch_dtype("compute_dtype"))\n'

@@ -104,11 +104,16 @@ class LightningIndexer(nn.Module):
             elif allowed is None:
                 allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
             index_scores = self.scores(x, q_latent, cos, sin, k)
-        with torch.no_grad():
-            scores = index_scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
-            chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
-            selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
-        return allowed & selected[:, None], index_scores
+        return self.select(index_scores, allowed), index_scores
+
+    @torch.no_grad()
+    def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed [B or 1, 1, S, S_k]`` narrowed to each query's ``index_topk`` best allowed keys by the
+        index ``scores [B, S, S_k]`` (all of them where fewer are allowed)."""
+        scores = scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices   # [B, S, k] key positions
+        selected = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, chosen, True)
+        return allowed & selected[:, None]
 
 
 def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, selected: torch.Tensor,

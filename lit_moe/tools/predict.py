@@ -181,9 +181,6 @@ def check_model(config) -> None:
     """What the cached decoder does not implement, refused before anything runs."""
     if config.window_size is not None:
         raise ConfigError(f"model.window_size: {config.window_size!r}: predict has no sliding-window cache")
-    if getattr(config, "sparse_attention", False):
-        raise ConfigError("model.experimental_attention_variant: 'dsa': predict has no cache of the indexer's keys "
-                          "yet (DeepSeek-V3.2's sparse attention)")
     if getattr(config, "moe_expert_capacity_factor", None):
         raise ConfigError("model.moe_expert_capacity_factor: token dropping would make a batch's outputs depend on "
                           "its other prompts; predict needs it null")
