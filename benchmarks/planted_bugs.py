@@ -697,9 +697,9 @@ BUGS: list[Bug] = [
     Bug("v32_loss_cp_mean_over_keys", "CP (DeepSeek-V3.2 indexer loss)", "lit_moe/model/indexer.py",
         "    return kl.mean()", "    return kl.sum() / (kl.shape[0] * scores.shape[-1])",
         ("tests/test_step_layouts.py", "-k", "v32_loss_cp2")),
-    Bug("v32_loss_cp_key_grads_kept_local", "CP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/context_parallel.py",
+    Bug("v32_loss_cp_key_grads_dropped", "CP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/context_parallel.py",
         "    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)",
-        "    keys = _gathered(k, group, shard.size)",
+        "    keys = _in_sequence_order(comm.all_gather(k.detach(), group, dim=1), shard.size)",
         ("tests/test_step_layouts.py", "-k", "v32_loss_cp2")),
     # ... generation: the indexer's key cache (each new query's top-k among every token's keys)
     Bug("v32_predict_stale_index_key", "predict (DeepSeek-V3.2)", "lit_moe/model/attention.py",
