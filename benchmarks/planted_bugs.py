@@ -682,10 +682,17 @@ BUGS: list[Bug] = [
     Bug("v32_loss_not_in_objective", "families (indexer loss)", "lit_moe/module.py",
         "                objective = objective + indexer\n", "",
         ("tests/test_step_layouts.py", "-k", "v32_loss_dp2_ep2")),
-    Bug("v32_loss_under_pipeline_parallel_accepted", "families (indexer loss)", "lit_moe/strategies/parallel_dims.py",
-        'if getattr(model_config, "dsa_indexer_loss_coeff", None) and dims.pp > 1:',
-        'if getattr(model_config, "dsa_indexer_loss_coeff", None) and dims.pp > 2:',
-        ("tests/test_deepseek_v32.py", "-k", "ulysses")),
+    # ... under pipeline parallel: a stage's indexer losses reach the backward (the first's through its
+    # output hidden state, the last's at its loss output) and the step's log
+    Bug("v32_pp_first_stage_indexer_loss_dropped", "PP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/pipeline.py",
+        "                for term in (aux, indexer):", "                for term in (aux,):",
+        ("tests/test_pipeline.py", "-k", "pp2_v32_loss_mtp")),
+    Bug("v32_pp_last_stage_indexer_grad_dropped", "PP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/pipeline.py",
+        "            out = AuxLossBackward.apply(out, indexer, self.aux_grad_scale)", "            pass",
+        ("tests/test_pipeline.py", "-k", "pp2_v32_loss_mtp")),
+    Bug("v32_pp_indexer_loss_not_logged", "PP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/pipeline.py",
+        "                vec[:4] += s.to(device)", "                vec[:3] += s[:3].to(device)",
+        ("tests/test_pipeline.py", "-k", "pp2_v32_loss_mtp")),
     # ... under tensor parallel: the target sums every rank's heads; the replicated indexer's gradient is whole
     Bug("v32_loss_tp_target_not_reduced", "TP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/tensor_parallel.py",
         "    model.hooks.head_sum = functools.partial(_head_sum, group=tp_mesh.get_group())\n", "",

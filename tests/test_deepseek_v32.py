@@ -137,14 +137,11 @@ def test_ulysses_context_parallel_refused_and_predict_accepted():
     with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_method: 'ulysses' with model\."
                                                r"experimental_attention_variant 'dsa' is not supported \("):
         check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, c)
-    # the indexer loss: every layout but pipeline parallel (v32_loss_* in test_step_layouts.py)
+    # the indexer loss: every layout (v32_loss_* in test_step_layouts.py, pp2_v32_loss_mtp in test_pipeline.py)
     lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
     for layout, sizes in ((dict(data_parallel_shard=2), dict(dp_shard=2)), (dict(context_parallel=2), dict(cp=2)),
-                          (dict(tensor_parallel=2), dict(tp=2))):
+                          (dict(tensor_parallel=2), dict(tp=2)), (dict(pipeline_parallel=2), dict(pp=2))):
         check_parallel_layout(ParallelismConfig(**layout), ParallelDims(world_size=2, **sizes), lossy)
-    with pytest.raises(ParallelismError, match=r"^model\.dsa_indexer_loss_coeff: 0\.1 \(DeepSeek-V3\.2's indexer "
-                                               r"loss\) is not implemented with pipeline parallel \(pp=2\)"):
-        check_parallel_layout(ParallelismConfig(pipeline_parallel=2), ParallelDims(world_size=2, pp=2), lossy)
     check_model(c)   # predict caches the indexer's keys (tests/test_predict.py)
 
 

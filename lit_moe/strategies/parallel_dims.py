@@ -494,12 +494,6 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
                 f"parallelism.context_parallel_method: {p.context_parallel_method!r} with model."
                 f"experimental_attention_variant {variant!r} is not supported (its keys are gathered to this "
                 "rank's queries, which only 'colossal' keeps on their rank)")
-    if getattr(model_config, "dsa_indexer_loss_coeff", None) and dims.pp > 1:
-        # its loss would have to leave a pipeline stage that is not the last
-        raise ParallelismError(
-            f"model.dsa_indexer_loss_coeff: {model_config.dsa_indexer_loss_coeff} (DeepSeek-V3.2's indexer loss) is "
-            f"not implemented with pipeline parallel (pp={dims.pp}); set it to 0 or use data, tensor, context or "
-            "expert parallel and FSDP")
     if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.strategies.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 

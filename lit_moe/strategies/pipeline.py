@@ -25,7 +25,10 @@ stage too: it holds a copy whose gradient is summed with the first stage's after
 Every micro-batch's objective is ``(loss + aux_loss + mtp_loss) / A`` as on one process. The MoE
 balancing losses of a stage that is not the last reach the backward through
 :class:`AuxLossBackward` (Megatron's ``MoEAuxLossAutoScaler``): identity on the hidden state
-forward, the aux loss' gradient ``1/A`` injected backward.
+forward, the aux loss' gradient ``1/A`` injected backward. DeepSeek-V3.2's indexer losses
+(``dsa_indexer_loss_coeff``) reach it the same way on every stage (the last too: injected at its
+output), so the schedule's output stays ``[loss, aux_loss, mtp_loss]``; each stage records its
+indexer losses beside them for the step's log.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_moe.strategies.parallel_dims import ParallelismError
+from lit_moe.model.indexer import LightningIndexer
 from lit_moe.model.transformer import DeepseekV3ForCausalLM
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "interleaved_zb", "zbv", "dualpipev")
@@ -249,8 +253,9 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         self.mtp = model.mtp if self.is_last else nn.ModuleList()
         self._main_moe = [m for layer in self.layers.values() for m in layer.modules() if _is_moe(m)]
         self._mtp_moe = [m for layer in self.mtp for m in layer.modules() if _is_moe(m)]
+        self._indexers = [m for m in self.modules() if isinstance(m, LightningIndexer)]   # this stage's
         self.aux_grad_scale = 1.0   # backward weight of the balancing losses (1/A, set per step)
-        self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp] (detached)
+        self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp, indexer] (detached)
         self.moe_aux_sum: Optional[torch.Tensor] = None   # per local MoE layer, summed over micro-batches
 
     def blocks(self) -> list[nn.Module]:
@@ -276,9 +281,14 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         self._collect_moe_aux(self._main_moe)
         aux = self._take_aux(self._main_moe)
         if not self.is_last:
-            if aux is not None and torch.is_grad_enabled():
-                self.step_stats.append(torch.stack([aux.new_zeros(()), aux.detach().float(), aux.new_zeros(())]))
-                h = AuxLossBackward.apply(h, aux, self.aux_grad_scale)
+            indexer = self._take_indexer_loss()
+            if (aux is not None or indexer is not None) and torch.is_grad_enabled():
+                zero = h.new_zeros((), dtype=torch.float32)
+                self.step_stats.append(torch.stack([zero, zero if aux is None else aux.detach().float(), zero,
+                                                    zero if indexer is None else indexer.detach().float()]))
+                for term in (aux, indexer):
+                    if term is not None:
+                        h = AuxLossBackward.apply(h, term, self.aux_grad_scale)
             return h
         if labels is None:
             raise ValueError("the last pipeline stage needs labels")
@@ -301,7 +311,11 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         if aux is None:
             aux = loss.new_zeros((), dtype=torch.float32)
         out = torch.stack([loss.float(), aux.float(), mtp.float()])
-        self.step_stats.append(out.detach())
+        indexer = self._take_indexer_loss()   # this stage's decoder and MTP layers'
+        self.step_stats.append(torch.cat([out.detach(), (indexer.detach().float() if indexer is not None
+                                                         else out.new_zeros(()))[None]]))
+        if indexer is not None and torch.is_grad_enabled():
+            out = AuxLossBackward.apply(out, indexer, self.aux_grad_scale)
         return out
 
     def _collect_moe_aux(self, moes: list) -> None:
@@ -521,7 +535,7 @@ class PipelineRunner:
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one optimizer step's ``A`` micro-batches (``batch``: them
-        concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss]`` of the step (each the mean
+        concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss, indexer_loss]`` of the step (each the mean
         over micro-batches), the same on every pipeline rank (the last stage's loss and MTP, the
         aux losses of all stages); :attr:`micro_losses` then holds the last stage's main loss of
         each micro-batch, also on every pipeline rank."""
@@ -534,18 +548,18 @@ class PipelineRunner:
         return self.step_losses()
 
     def step_losses(self) -> torch.Tensor:
-        # one all-reduce over the pipeline: [loss, aux, mtp] sums, then the per-micro main losses
+        # one all-reduce over the pipeline: [loss, aux, mtp, indexer] sums, then the per-micro main losses
         A = self.accumulation_steps
         device = _local(next(self.container.parameters())).device
-        vec = torch.zeros(3 + A, dtype=torch.float32, device=device)
+        vec = torch.zeros(4 + A, dtype=torch.float32, device=device)
         for part in self.parts:
             for s in part.step_stats:
-                vec[:3] += s.to(device)
+                vec[:4] += s.to(device)
             if part.is_last:
-                vec[3:] = torch.stack([s[0] for s in part.step_stats]).to(device)
+                vec[4:] = torch.stack([s[0] for s in part.step_stats]).to(device)
         dist.all_reduce(vec, group=self.pp_group)
-        self.micro_losses = vec[3:].cpu()
-        return vec[:3] / A
+        self.micro_losses = vec[4:].cpu()
+        return vec[:4] / A
 
     def sync_embedding_grads(self) -> None:
         """Sum the gradients of the embedding copies of the first and the last stage (MTP)."""
@@ -564,11 +578,12 @@ class PipelineRunner:
 class PipelineStepRecord:
     """One step's losses as the training step keeps them (the same on every rank of a pipeline)."""
 
-    losses: torch.Tensor            # [loss, aux_loss, mtp_loss], each the mean over micro-batches (fp64)
+    losses: torch.Tensor            # [loss, aux_loss, mtp_loss, indexer_loss], each the mean over micro-batches (fp64)
     micro_losses: list[float]       # main loss of each micro-batch / A
     moe_aux: Optional[torch.Tensor]  # this rank's MoE layers: balancing loss summed over micro-batches
     has_aux: bool
     has_mtp: bool
+    has_indexer: bool = False
 
 
 class PipelineParallel:
@@ -599,7 +614,7 @@ class PipelineParallel:
         return cls(dims, layout, container, parts, group)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Run the schedule over the step's micro-batches; ``[loss, aux, mtp]`` means (every rank)."""
+        """Run the schedule over the step's micro-batches; ``[loss, aux, mtp, indexer]`` means (every rank)."""
         A = len(micro_batches)
         first = micro_batches[0]["input_ids"]
         if self.runner is None or self.runner.accumulation_steps != A:
@@ -620,7 +635,8 @@ class PipelineParallel:
             losses=losses, micro_losses=[float(x) / A for x in self.runner.micro_losses],
             moe_aux=self.moe_aux_sum(),
             has_aux=any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
-            has_mtp=c.num_nextn_predict_layers > 0)
+            has_mtp=c.num_nextn_predict_layers > 0,
+            has_indexer=bool(getattr(c, "sparse_attention", False) and getattr(c, "dsa_indexer_loss_coeff", None)))
 
     def moe_aux_sum(self) -> Optional[torch.Tensor]:
         """This step's balancing loss per MoE layer of the container (summed over micro-batches)."""
