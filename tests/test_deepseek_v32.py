@@ -140,7 +140,8 @@ def test_ulysses_context_parallel_refused_and_predict_accepted():
     # the indexer loss: every layout (v32_loss_* in test_step_layouts.py, pp2_v32_loss_mtp in test_pipeline.py)
     lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
     for layout, sizes in ((dict(data_parallel_shard=2), dict(dp_shard=2)), (dict(context_parallel=2), dict(cp=2)),
-                          (dict(tensor_parallel=2), dict(tp=2)), (dict(pipeline_parallel=2), dict(pp=2))):
+                          (dict(tensor_parallel=2), dict(tp=2)),
+                          (dict(pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0-1", "2-2"]), dict(pp=2))):
         check_parallel_layout(ParallelismConfig(**layout), ParallelDims(world_size=2, **sizes), lossy)
     check_model(c)   # predict caches the indexer's keys (tests/test_predict.py)
 
