@@ -717,6 +717,9 @@ BUGS: list[Bug] = [
         "        allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         "        attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         ("tests/test_predict.py", "-k", "dsa_cache")),
+    Bug("predict_gqa_accepted", "predict (refusals)", "lit_moe/tools/predict.py",
+        "    if not config.multi_latent_attention:\n", "    if False:\n",
+        ("tests/test_predict.py", "-k", "refuses_the_families")),
     # ---------------------------------------------------------------- plan: TP's sequence split, selective recompute
     Bug("plan_sequence_split_ignored", "plan memory", "lit_moe/strategies/activation_memory.py",
         '    T, H, Tl = tokens, c.hidden_size, tokens // tp\n    a = _bytes(c.torch_dtype("compute_dtype"))\n'

@@ -165,6 +165,22 @@ def test_dsa_greedy_equals_transformers_generate(exported_dsa):
     assert ended[0] == ours[0][:4]
 
 
+@pytest.mark.parametrize("family, message", [
+    ("qwen3_moe", r"^model\.multi_latent_attention: false: predict caches MLA's latent only"),
+    ("glm4_moe", r"^model\.multi_latent_attention: false"),
+    ("deepseek_v4", r"^model\.experimental_attention_variant: 'dsv4_hybrid': predict has no cache"),
+])
+def test_predict_refuses_the_families_without_a_cache(family, message):
+    """What the cached decoder does not run is refused by name (before, an AttributeError traceback)."""
+    from lit_moe.config import ConfigError
+    from lit_moe.tools.predict import check_model
+    from test_parallel_numerics import model_section as layout_section
+    from test_step_layouts import FAMILY_SECTIONS
+
+    with pytest.raises(ConfigError, match=message):
+        check_model(DeepseekV3Config(**{**layout_section(0), **FAMILY_SECTIONS[family]}))
+
+
 def test_top_p_filter_hand_computed():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     # sorted 0.5, 0.3, 0.15, 0.05: cumulative before each 0, 0.5, 0.8, 0.95
