@@ -225,8 +225,8 @@ class LitMoE(LightningModule):
         record = strategy.run_micro_batches(micro_batches)
         if record is not None:  # the strategy's schedule ran them (pipeline parallel: through every stage)
             self._micro_losses, self._moe_aux_sum = record.micro_losses, record.moe_aux
-            self._loss_sum = torch.cat([record.losses, record.losses.new_zeros(1)])   # (no indexer loss under pp)
-            self._has_aux, self._has_mtp = record.has_aux, record.has_mtp
+            self._loss_sum = record.losses
+            self._has_aux, self._has_mtp, self._has_indexer = record.has_aux, record.has_mtp, record.has_indexer
             self._tokens += sum(int(b["input_ids"].numel()) for b in micro_batches)
             return
         for k, batch in enumerate(micro_batches):

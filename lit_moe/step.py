@@ -215,11 +215,12 @@ class StepRecord:
     """What a strategy that runs a step's micro-batches itself (a pipeline schedule) hands the step:
     the losses as the step keeps them, the same on every rank of one model replica."""
 
-    losses: torch.Tensor             # [loss, aux_loss, mtp_loss], each the mean over micro-batches (fp64)
+    losses: torch.Tensor             # [loss, aux_loss, mtp_loss, indexer_loss], each the mean over micro-batches
     micro_losses: list[float]        # main loss of each micro-batch / A
     moe_aux: Optional[torch.Tensor]  # this rank's MoE layers: balancing loss summed over micro-batches
     has_aux: bool
     has_mtp: bool
+    has_indexer: bool = False
 
 
 def model_moe_block_ids(model: Any) -> Optional[list[int]]:

@@ -190,10 +190,19 @@ V4_SECTION = dict(model_type="deepseek_v4", head_dim=16, partial_rotary_factor=0
                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
 
 
+# DeepSeek-V3.2 with its indexer loss: each query attends to the indexer's 8 best keys (SEQ 32)
+V32_LOSS_SECTION = dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16,
+                        dsa_indexer_loss_coeff=0.5)
+FAMILY_SECTIONS = {"deepseek_v3": {}, "deepseek_v4": V4_SECTION, "deepseek_v32_loss": V32_LOSS_SECTION}
+
+
 LAYOUTS = {
     # 1F1B on DeepSeek-V4: the stage boundary carries the mHC residual streams [B, S, n, H], hc_head
     # on the last stage
     "pp2_v4": _layout(2, 2, family="deepseek_v4"),
+    # DeepSeek-V3.2's indexer loss: the first stage's indexers' losses leave it backward (as the balancing
+    # losses), the last stage's (the MTP layer's too) at its output
+    "pp2_v32_loss_mtp": _layout(2, 2, mtp=1, family="deepseek_v32_loss"),
     "pp2_gpipe_uneven": _layout(2, 2, schedule="gpipe", ranges=["0-2", "3-3"]),
     "pp2_interleaved2": _layout(2, 2, v=2, mtp=1),
     "pp2_mtp": _layout(2, 2, mtp=1),
@@ -248,7 +257,7 @@ def adam_eps(family: str) -> float:
 
 
 def model_section(mtp: int, family: str = "deepseek_v3") -> dict:
-    return {**_v3_section(mtp), **(V4_SECTION if family == "deepseek_v4" else {})}
+    return {**_v3_section(mtp), **FAMILY_SECTIONS[family]}
 
 
 def _v3_section(mtp: int) -> dict:
@@ -301,15 +310,16 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
     model.init_weights(7)
     opt = torch.optim.AdamW(list(model.parameters()), lr=3e-3, weight_decay=0.01, eps=adam_eps(family), foreach=False)
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "emb_norm": [], "counts": []}
+    out = {"loss": [], "aux": [], "mtp": [], "indexer": [], "grad_norm": [], "bias": [], "emb_norm": [], "counts": []}
     for step in range(STEPS):
-        sums = torch.zeros(3)
+        sums = torch.zeros(4)
         for micro in range(GLOBAL_BATCH):
             tok = data[step, micro:micro + 1]
             extra = document_inputs(slice(micro, micro + 1)) if docs else {}
             res = model(input_ids=tok[:, :-1], labels=tok[:, 1:], **extra)
-            ((res.loss + res.aux_loss + res.mtp_loss) / GLOBAL_BATCH).backward()
-            sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss]).detach() / GLOBAL_BATCH
+            indexer = res.indexer_loss if res.indexer_loss is not None else torch.zeros(())
+            ((res.loss + res.aux_loss + res.mtp_loss + indexer) / GLOBAL_BATCH).backward()
+            sums += torch.stack([res.loss, res.aux_loss, res.mtp_loss, indexer]).detach() / GLOBAL_BATCH
         params = [p for p in model.parameters() if p.grad is not None]
         norm = global_grad_norm(params)
         out["emb_norm"].append(float(global_grad_norm([model.embed_tokens.weight])))
@@ -323,6 +333,7 @@ def reference(mtp: int, docs: bool = False, family: str = "deepseek_v3") -> dict
         out["loss"].append(float(sums[0]))
         out["aux"].append(float(sums[1]))
         out["mtp"].append(float(sums[2]))
+        out["indexer"].append(float(sums[3]))
         out["bias"].append({str(i): m.router.expert_bias.tolist() for i, m in _moe_by_layer(model).items()})
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     # evaluation after training: the plain model's no-grad main loss over the evaluation samples
@@ -426,8 +437,8 @@ def run_layout(name: str, out_dir: Path) -> None:
     # rank reports its share of the sequence's loss and routes its own tokens)
     dp_cp = dims.mesh("dp_cp").get_group()
     data = batches()
-    out = {"loss": [], "aux": [], "mtp": [], "grad_norm": [], "bias": [], "collectives": [], "emb_norm": [],
-           "counts": [], "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
+    out = {"loss": [], "aux": [], "mtp": [], "indexer": [], "grad_norm": [], "bias": [], "collectives": [],
+           "emb_norm": [], "counts": [], "schedule": type(runner.schedule).__name__, "units": fsdp_units(container)}
     # what the run's strategy answers the callbacks for this rank's stages: the embedding's gradient
     # norm and the whole model's MoE statistics, on every rank
     strategy = pipeline_strategy(PipelineParallel(dims, layout, container, parts, egroup))
@@ -462,6 +473,7 @@ def run_layout(name: str, out_dir: Path) -> None:
         out["loss"].append(float(losses[0]))
         out["aux"].append(float(losses[1]))
         out["mtp"].append(float(losses[2]))
+        out["indexer"].append(float(losses[3]))
         out["grad_norm"].append(float(norm))
         out["bias"].append({str(i): _local(m.router.expert_bias).tolist() for i, m in _moe_by_layer(container).items()})
     out["val_loss"] = pipeline_val_loss(dims, layout, container, parts, egroup, dp_rank)
@@ -550,6 +562,10 @@ def test_layout_matches_one_process(name, runs, references):
         assert _rel(out["emb_norm"], ref["emb_norm"]) < rtol, (name, r, out["emb_norm"], ref["emb_norm"])
         for step in range(STEPS):
             assert torch.equal(out["counts"][step], ref["counts"][step]), (name, r, step)
+        if spec["family"] == "deepseek_v32_loss":   # every stage's indexer losses, on every rank (measured 3.9e-6)
+            assert min(ref["indexer"]) > 0 and _rel_each(out["indexer"], ref["indexer"]) < rtol, (name, r, out["indexer"])
+        else:
+            assert out["indexer"] == [0.0] * STEPS, (name, r)
         for step in range(STEPS):
             for layer, bias in out["bias"][step].items():
                 assert _rel(bias, ref["bias"][step][layer]) < rtol, (name, r, step, layer)

@@ -37,8 +37,8 @@ def our_model(tmp_path, **overrides) -> DeepseekV3ForCausalLM:
     return m
 
 
-def hf_generate(path, prompts, new_tokens, pad, eos=None) -> list[list[int]]:
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+def hf_generate(path, prompts, new_tokens, pad, eos=None, cls="DeepseekV3ForCausalLM") -> list[list[int]]:
+    hf = getattr(transformers, cls).from_pretrained(path, attn_implementation="eager").eval()
     ids, valid = left_pad(prompts, pad)
     out = hf.generate(input_ids=ids, attention_mask=valid.long(), max_new_tokens=new_tokens, do_sample=False,
                       pad_token_id=pad, eos_token_id=eos)
@@ -101,6 +101,84 @@ def test_cache_holds_the_compressed_latent_and_equals_the_full_forward(exported)
     with torch.no_grad():
         full = m(text).logits[:, -1]
     assert (logits - full).abs().max().item() <= 1.5e-5   # measured 1.55e-6 (logits up to 2.2)
+
+
+# DeepSeek-V3.2 (MindFormers' spelling): each query attends to the indexer's 4 best keys; no MTP layer
+# (transformers' DeepseekV32ForCausalLM has none to load)
+DSA = dict(experimental_attention_variant="dsa", dsa_indexer_topk=4, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
+           dsa_indexer_use_sparse_loss=True, num_nextn_predict_layers=0)
+
+
+@pytest.fixture(scope="module")
+def exported_dsa(tmp_path_factory):
+    from test_deepseek_v32 import randomize_norms   # the indexer's LayerNorm bias too
+
+    tmp = tmp_path_factory.mktemp("predict_dsa")
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(DeepseekV3Config(**read_pynative_model_section({**model_section(tmp), **DSA}))).eval()
+    randomize_norms(m, seed=1)
+    m.save_pretrained(tmp / "hf")
+    return tmp, m
+
+
+def test_dsa_cache_holds_the_indexer_keys_and_equals_the_full_forward(exported_dsa):
+    """DeepSeek-V3.2: the cache also holds each layer's indexer keys [B, T, index_head_dim]; after a
+    7-token prefill each cached step's logits equal an uncached forward of the text so far (each new
+    query's top-k among every token's keys), and the selection matters (every key allowed: 2.1 away)."""
+    _, m = exported_dsa
+    text = torch.tensor([PROMPTS[0] + [9, 4, 250, 17, 3]])
+    cache, valid = LatentCache(), torch.ones_like(text, dtype=torch.bool)
+    positions = torch.arange(text.shape[1])[None]
+    forward_step(m, text[:, :7], positions[:, :7], valid[:, :7], cache)
+    worst = 0.0
+    with torch.no_grad():
+        for t in range(7, text.shape[1]):
+            logits = forward_step(m, text[:, t:t + 1], positions[:, t:t + 1], valid[:, :t + 1], cache)
+            full = m(text[:, :t + 1]).logits[:, -1]
+            worst = max(worst, (logits - full).abs().max().item())
+        indexers = [layer.self_attention.indexer for layer in m.layers]
+        for indexer in indexers:
+            indexer.topk = text.shape[1]
+        dense = m(text).logits[:, -1]
+        for indexer in indexers:
+            indexer.topk = 4
+    assert worst <= 1.5e-5   # measured 1.8e-6 (logits up to 3.3)
+    assert (dense - full).abs().max().item() > 0.5
+    assert sorted(cache.index_keys) == list(range(m.config.num_hidden_layers))
+    assert all(k.shape == (1, text.shape[1], m.config.index_head_dim) for k in cache.index_keys.values())
+
+
+def test_dsa_greedy_equals_transformers_generate(exported_dsa):
+    """DeepSeek-V3.2's greedy tokens are transformers' ``DeepseekV32ForCausalLM.generate``'s (its indexer
+    key cache) on the same weights, for the left-padded batch and for each prompt alone, 12 new tokens
+    (up to 19 tokens: the top-4 selection is at work); an end-of-sequence token ends its row."""
+    tmp, m = exported_dsa
+    ours = generate(m, PROMPTS, 12, pad_id=0)   # (eos -1 below: no end token, as here; its config says 1)
+    assert ours == hf_generate(tmp / "hf", PROMPTS, 12, pad=0, eos=-1, cls="DeepseekV32ForCausalLM")
+    assert len({tuple(r) for r in ours}) == 3 and all(len(set(r)) > 2 for r in ours)
+    for prompt in PROMPTS:
+        assert generate(m, [prompt], 12, pad_id=0) == hf_generate(tmp / "hf", [prompt], 12, pad=0, eos=-1,
+                                                                  cls="DeepseekV32ForCausalLM")
+    eos = ours[0][3]
+    ended = generate(m, PROMPTS, 12, pad_id=0, eos_id=eos)
+    assert ended == hf_generate(tmp / "hf", PROMPTS, 12, pad=0, eos=eos, cls="DeepseekV32ForCausalLM")
+    assert ended[0] == ours[0][:4]
+
+
+@pytest.mark.parametrize("family, message", [
+    ("qwen3_moe", r"^model\.multi_latent_attention: false: predict caches MLA's latent only"),
+    ("glm4_moe", r"^model\.multi_latent_attention: false"),
+    ("deepseek_v4", r"^model\.experimental_attention_variant: 'dsv4_hybrid': predict has no cache"),
+])
+def test_predict_refuses_the_families_without_a_cache(family, message):
+    """What the cached decoder does not run is refused by name (before, an AttributeError traceback)."""
+    from lit_moe.config import ConfigError
+    from lit_moe.tools.predict import check_model
+    from test_parallel_numerics import model_section as layout_section
+    from test_step_layouts import FAMILY_SECTIONS
+
+    with pytest.raises(ConfigError, match=message):
+        check_model(DeepseekV3Config(**{**layout_section(0), **FAMILY_SECTIONS[family]}))
 
 
 def test_top_p_filter_hand_computed():

@@ -288,7 +288,7 @@ class MLAttention(nn.Module):
                 mask, _ = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
         if train_indexer:
-            target = attention_target(query, key, self.core_attention.scale, mask)
+            target = attention_target(query, key, self.core_attention.scale, mask, self.indexer.hooks)
             self.indexer.loss = self.indexer.loss_coeff * indexer_kl_loss(scores, target, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -299,10 +299,20 @@ class MLAttention(nn.Module):
 class LatentCache:
     """What MLA keeps of past tokens while generating, as DeepSeek-V3 does: per layer the normed kv
     latent ``[B, T, kv_lora_rank]`` and the rotated shared rope key ``[B, T, qk_rope_head_dim]``, not
-    the per-head keys and values (``kv_b_proj`` expands the latent again at every step)."""
+    the per-head keys and values (``kv_b_proj`` expands the latent again at every step). With
+    DeepSeek-V3.2's indexer also its rotated keys ``[B, T, index_head_dim]`` per layer (``index_keys``):
+    each new query picks its top-k among every token's."""
 
     def __init__(self) -> None:
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+
+    def extend_index_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Append this step's indexer keys of ``layer``; return every key so far ``[B, T, D]``."""
+        if layer in self.index_keys:
+            k = torch.cat([self.index_keys[layer], k], dim=1)
+        self.index_keys[layer] = k
+        return k
 
     def extend(self, layer: int, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's entries of ``layer``; return every entry so far."""
@@ -323,17 +333,20 @@ def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], 
     """``attn`` on the new tokens ``x [B, S, H]`` against the cached ones and themselves.
 
     ``cos``/``sin [B, S, d/2]``: the rotary angles of the new tokens' positions; ``allowed
-    [B, 1, S, T]``: which of the ``T = cache.length + S`` keys each new token sees.
+    [B, 1, S, T]``: which of the ``T = cache.length + S`` keys each new token sees (DeepSeek-V3.2: narrowed
+    to each new token's top-k by the indexer, over the cached indexer keys and its own).
 
     Under tensor parallel the projections are called as modules, so their hooks hand them this rank's
     weights: ``q_b_proj``/``kv_b_proj`` give this rank's heads (``heads`` is counted from ``q``), the
     cached latent and rope key are the same on every rank, and ``o_proj`` returns a partial sum that the
     caller adds up over the ranks (:func:`lit_moe.model.generate.forward_step`)."""
     B, S, _ = x.shape
+    q_latent = None
     if attn.q_lora_rank is None:
         q = attn.q_proj(x)
     else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
+        q = attn.q_b_proj(q_latent)
     q_nope, q_pe = q.view(B, S, -1, attn.qk_head_dim).split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
     latent, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
     latent, k_pe = attn.kv_a_layernorm(latent), k_pe.view(B, S, 1, attn.qk_rope_head_dim)
@@ -345,5 +358,8 @@ def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], 
     k_nope, v = attn.kv_b_proj(latent).view(B, T, heads, -1).split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
     key = torch.cat([k_nope, k_pe.expand(B, T, heads, attn.qk_rope_head_dim)], dim=-1).transpose(1, 2)
+    if attn.indexer is not None:   # DeepSeek-V3.2: the new queries' top-k among every token's indexer keys
+        index_keys = cache.extend_index_keys(attn.layer_idx, attn.indexer.keys(x, cos, sin))
+        allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)
     out = attn.core_attention(query, key, v.transpose(1, 2), allowed)   # [B, heads, S, d_v]
     return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))

@@ -157,8 +157,8 @@ class DeepseekV3Config:
     heads and L1-renormalised (detached), I_t the index scores on those keys. Every indexer counts with
     weight 1, the MTP layers' too. The indexer's inputs are detached: it is trained by this loss only,
     the rest of the model by the language-model loss only. Logged as ``indexer_loss`` (the sum over the
-    indexers, coefficient included; MindFormers logs the mean over the layers). Not with tensor, context
-    or pipeline parallel. None or 0: no indexer loss (the indexer gets no gradient)."""
+    indexers, coefficient included; MindFormers logs the mean over the layers). None or 0: no indexer
+    loss (the indexer gets no gradient)."""
     dsa_indexer_use_sparse_loss: bool = False
     """DSA: MindFormers' training stage. True: the sparse stage (top-k attention, the indexer loss on
     the selected keys), what lit_moe runs. False (MindFormers' default): the dense warm-up stage (dense

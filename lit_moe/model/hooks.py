@@ -60,6 +60,17 @@ class ModelHooks:
     exact mask rows of this rank's zig-zag positions (the indexer ranks each query against every key of
     the sequence)."""
 
+    indexer_target_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """``(this rank's attention keys [B, heads, S, d]) -> the keys the indexer's selection columns
+    name [B, heads, S_k, d]`` (no autograd), for the target of DeepSeek-V3.2's indexer loss
+    (:func:`lit_moe.model.indexer.attention_target`). None: the keys as given. Context parallel: every cp
+    rank's keys all-gathered into sequence order, as the indexer's own keys (``indexer_keys``)."""
+
+    head_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """``(a sum over this rank's attention heads) -> the sum over every head`` (no autograd), for the
+    target of DeepSeek-V3.2's indexer loss. None: this rank has every head. Tensor parallel: summed over
+    the tensor-parallel ranks."""
+
     whole_sequence: Optional[Callable[[torch.Tensor, torch.Tensor, Any],
                                       tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]] = None
     """``(this rank's hidden states [B, S, H], their positions [B, S], the attention's mask) -> (the

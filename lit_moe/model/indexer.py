@@ -104,32 +104,47 @@ class LightningIndexer(nn.Module):
             elif allowed is None:
                 allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
             index_scores = self.scores(x, q_latent, cos, sin, k)
-        with torch.no_grad():
-            scores = index_scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
-            chosen = scores.topk(min(self.topk, k.shape[1]), dim=-1).indices        # [B, S, k] key positions
-            selected = torch.zeros(scores.shape, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
-        return allowed & selected[:, None], index_scores
+        return self.select(index_scores, allowed), index_scores
+
+    @torch.no_grad()
+    def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed [B or 1, 1, S, S_k]`` narrowed to each query's ``index_topk`` best allowed keys by the
+        index ``scores [B, S, S_k]`` (all of them where fewer are allowed)."""
+        scores = scores.detach().masked_fill(~allowed[:, 0], float("-inf"))
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices   # [B, S, k] key positions
+        selected = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, chosen, True)
+        return allowed & selected[:, None]
 
 
-def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, selected: torch.Tensor) -> torch.Tensor:
+def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, selected: torch.Tensor,
+                     hooks: Optional[ModelHooks] = None) -> torch.Tensor:
     """The indexer loss's target ``[B, S, S_k]`` (fp32, detached: the loss must not train the attention):
     the main attention's probabilities ``softmax(scale q.k)`` over each query's selected keys (``selected
     [B or 1, 1, S, S_k]``), summed over the heads of ``query [B, heads, S, d]`` / ``key [B, heads, S_k, d]``
     and L1-renormalised; 0 on a row with no key. One head at a time: ``[B, S, S_k]`` at most besides
-    the result."""
+    the result. ``hooks`` (the model's): ``indexer_target_keys`` turns this rank's ``key`` into the
+    selection's columns (context parallel: the whole sequence's), ``head_sum`` adds the other ranks'
+    heads (tensor parallel) before the renormalisation."""
+    hooks = hooks or ModelHooks()
     query, key = query.detach(), key.detach()
+    if hooks.indexer_target_keys is not None:
+        key = hooks.indexer_target_keys(key)
     sel = selected[:, 0]
     total = torch.zeros(query.shape[0], query.shape[2], key.shape[2], dtype=torch.float32, device=query.device)
     for h in range(query.shape[1]):
         logits = torch.matmul(query[:, h].float(), key[:, h].float().transpose(-1, -2)) * scale
         total += torch.softmax(logits.masked_fill(~sel, float("-inf")), dim=-1).nan_to_num(0.0)
+    if hooks.head_sum is not None:
+        total = hooks.head_sum(total)
     return total / total.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
 def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
     """``mean_t KL(target[t] || softmax(scores[t] over S_t))`` over every query row of ``scores
     [B, S, S_k]`` (a row with no selected key counts 0), S_t the keys ``selected [B or 1, 1, S, S_k]``
-    marks; ``target`` (:func:`attention_target`) is 0 off S_t."""
+    marks; ``target`` (:func:`attention_target`) is 0 off S_t. The mean is over this rank's query rows:
+    context parallel gives every rank as many rows (two zig-zag chunks), so the mean over the ranks
+    (what gradient averaging and loss logging compute) is the sequence's mean."""
     sel = selected[:, 0]
     # a finite floor (not -inf) off S_t: a row with nothing selected stays finite in the backward too
     log_q = torch.log_softmax(scores.masked_fill(~sel, torch.finfo(scores.dtype).min), dim=-1)

@@ -192,7 +192,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         ``hidden_states`` (the previous part's residual, ``[B, S, H]`` or mHC's ``[B, S, n, H]``) it
         starts there instead of embedding ``input_ids`` (which every part still receives: positions,
         masks, MTP); it runs the decoder layers it holds (:meth:`decoder_layers`); without
-        ``lm_head`` it stops after them and returns ``hidden_states`` and their balancing loss."""
+        ``lm_head`` it stops after them and returns ``hidden_states`` and their balancing (and indexer) losses."""
         input_ids, labels, loss_mask, position_ids, ctx = self._inputs(
             input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len)
         if hidden_states is None:
@@ -203,7 +203,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.decoder_layers():
             h = layer(h, ctx)
         if self.lm_head is None:   # a part before the head: its residual goes on to the next part
-            return CausalLMOutput(logits=None, hidden_states=h, aux_loss=self._take_aux(self._main_moe))
+            return CausalLMOutput(logits=None, hidden_states=h, aux_loss=self._take_aux(self._main_moe),
+                                  indexer_loss=self._take_indexer_loss())
         h = self.streams_out(h)
         mask = None
         if labels is not None:

@@ -77,7 +77,7 @@ class PipelineRunner:
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one optimizer step's ``A`` micro-batches (``batch``: them
-        concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss]`` of the step (each the mean
+        concatenated along dim 0). Returns ``[loss, aux_loss, mtp_loss, indexer_loss]`` of the step (each the mean
         over micro-batches), the same on every pipeline rank (the last stage's loss and MTP, the
         aux losses of all stages); :attr:`micro_losses` then holds the last stage's main loss of
         each micro-batch, also on every pipeline rank."""
@@ -90,18 +90,18 @@ class PipelineRunner:
         return self.step_losses()
 
     def step_losses(self) -> torch.Tensor:
-        # one all-reduce over the pipeline: [loss, aux, mtp] sums, then the per-micro main losses
+        # one all-reduce over the pipeline: [loss, aux, mtp, indexer] sums, then the per-micro main losses
         A = self.accumulation_steps
         device = local_tensor(next(self.container.parameters())).device
-        vec = torch.zeros(3 + A, dtype=torch.float32, device=device)
+        vec = torch.zeros(4 + A, dtype=torch.float32, device=device)
         for part in self.parts:
             for s in part.step_stats:
-                vec[:3] += s.to(device)
+                vec[:4] += s.to(device)
             if part.is_last:
-                vec[3:] = torch.stack([s[0] for s in part.step_stats]).to(device)
+                vec[4:] = torch.stack([s[0] for s in part.step_stats]).to(device)
         dist.all_reduce(vec, group=self.pp_group)
-        self.micro_losses = vec[3:].cpu()
-        return vec[:3] / A
+        self.micro_losses = vec[4:].cpu()
+        return vec[:4] / A
 
     def sync_embedding_grads(self) -> None:
         """Sum the gradients of the embedding copies of the first and the last stage (MTP)."""
@@ -165,7 +165,8 @@ class PipelineParallel:
             losses=losses, micro_losses=[float(x) / A for x in self.runner.micro_losses],
             moe_aux=self.moe_aux_sum(),
             has_aux=any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
-            has_mtp=c.num_nextn_predict_layers > 0)
+            has_mtp=c.num_nextn_predict_layers > 0,
+            has_indexer=bool(getattr(c, "sparse_attention", False) and getattr(c, "dsa_indexer_loss_coeff", None)))
 
     def moe_aux_sum(self) -> Optional[torch.Tensor]:
         """This step's balancing loss per MoE layer of the container (summed over micro-batches)."""

@@ -4,7 +4,10 @@ the model's own forward, and the split of a parallelized model into this rank's 
 Every micro-batch's objective is ``(loss + aux_loss + mtp_loss) / A`` as on one process. The MoE
 balancing losses of a stage that is not the last reach the backward through
 :class:`AuxLossBackward` (Megatron's ``MoEAuxLossAutoScaler``): identity on the hidden state
-forward, the aux loss' gradient ``1/A`` injected backward.
+forward, the aux loss' gradient ``1/A`` injected backward. DeepSeek-V3.2's indexer losses
+(``dsa_indexer_loss_coeff``) reach it the same way on every stage (the last too: injected at its
+output), so the schedule's output stays ``[loss, aux_loss, mtp_loss]``; each stage records its
+indexer losses beside them for the step's log.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         self._mtp_moe = [m for layer in self.mtp for m in layer.modules() if is_moe(m)]
         self._indexers = [m for m in self.modules() if isinstance(m, LightningIndexer)]
         self.aux_grad_scale = 1.0   # backward weight of the balancing losses (1/A, set per step)
-        self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp] (detached)
+        self.step_stats: list[torch.Tensor] = []   # per micro-batch [loss, aux, mtp, indexer] (detached)
         self.moe_aux_sum: Optional[torch.Tensor] = None   # per local MoE layer, summed over micro-batches
 
     def block_ids(self) -> list[int]:
@@ -96,14 +99,24 @@ class DeepseekV3Stage(DeepseekV3ForCausalLM):
         out = super().forward(input_ids, labels, loss_mask, position_ids, attention_mask, actual_seq_len,
                               hidden_states=None if self.is_first else x)
         self._collect_moe_aux(self._main_moe + self._mtp_moe)
+        aux, indexer = out.aux_loss, out.indexer_loss
         if not self.is_last:
-            h, aux = out.hidden_states, out.aux_loss
-            if aux is not None and torch.is_grad_enabled():
-                self.step_stats.append(torch.stack([aux.new_zeros(()), aux.detach().float(), aux.new_zeros(())]))
-                h = AuxLossBackward.apply(h, aux, self.aux_grad_scale)
+            h = out.hidden_states
+            if (aux is not None or indexer is not None) and torch.is_grad_enabled():
+                zero = h.new_zeros((), dtype=torch.float32)
+                self.step_stats.append(torch.stack([zero, zero if aux is None else aux.detach().float(), zero,
+                                                    zero if indexer is None else indexer.detach().float()]))
+                for term in (aux, indexer):
+                    if term is not None:
+                        h = AuxLossBackward.apply(h, term, self.aux_grad_scale)
             return h
-        losses = torch.stack([out.loss.float(), out.aux_loss.float(), out.mtp_loss.float()])
-        self.step_stats.append(losses.detach())
+        # the schedule's output stays [loss, aux, mtp]; the indexer losses (this stage's decoder and
+        # MTP layers') reach the backward at it and the step's log beside it
+        losses = torch.stack([out.loss.float(), aux.float(), out.mtp_loss.float()])
+        self.step_stats.append(torch.cat([losses.detach(), (indexer.detach().float() if indexer is not None
+                                                            else losses.new_zeros(()))[None]]))
+        if indexer is not None and torch.is_grad_enabled():
+            losses = AuxLossBackward.apply(losses, indexer, self.aux_grad_scale)
         return losses
 
     def _collect_moe_aux(self, moes: list) -> None:

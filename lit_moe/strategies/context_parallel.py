@@ -47,7 +47,10 @@ model, and only attention sees the other ranks' tokens.
   attention (``colossal``) meets the selection's rows as they are; under ``ulysses`` and
   ``hybrid`` the query rows of the ulysses group are all-gathered over it (a boolean
   ``[B, 1, u·S/cp, S]``), so each rank masks its heads' attention over the group's queries with
-  the selection made where each query lives (:func:`_gathered_rows`).
+  the selection made where each query lives (:func:`_gathered_rows`). Its loss (``colossal``
+  only) compares each of the rank's queries with the main attention over the gathered keys
+  (``hooks.indexer_target_keys``); every rank has as many queries, so the mean of the ranks' means
+  is the sequence's, and the keys' gradients go back to their ranks through the gather's backward.
 * **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
   chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
@@ -362,9 +365,18 @@ def indexer_keys(k: torch.Tensor, allowed: Any, window_left: int, shard: _Shard,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's ``hooks.indexer_keys`` (DeepSeek-V3.2): this rank's indexer keys ``[B, S/cp, D]``
     → every rank's in sequence order ``[B, S, D]``, with this rank's query rows of the whole
-    sequence's mask. Computed without autograd, as the indexer's scores."""
+    sequence's mask. With autograd when ``k`` has it (the indexer loss): every rank's queries score
+    every key, so the backward sums each key's gradient from all ranks back to its own rank."""
     masks = allowed if isinstance(allowed, ShardMasks) else shard.current
-    return _gathered(k, group, shard.size), _query_rows(masks, shard.rank, shard.size, window_left)
+    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)
+    return keys, _query_rows(masks, shard.rank, shard.size, window_left)
+
+
+def indexer_target_keys(key: torch.Tensor, shard: _Shard, group: dist.ProcessGroup) -> torch.Tensor:
+    """The model's ``hooks.indexer_target_keys`` (DeepSeek-V3.2's indexer loss): this rank's attention
+    keys ``[B, heads, S/cp, d]`` → every rank's in sequence order ``[B, heads, S, d]`` (no autograd: the
+    target is detached), the columns of the indexer's selection (:func:`indexer_keys`)."""
+    return _gathered(key.transpose(1, 2), group, shard.size).transpose(1, 2)
 
 
 def whole_sequence(x: torch.Tensor, positions: torch.Tensor, allowed: Any, shard: _Shard,
@@ -474,6 +486,7 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     hooks.shard_inputs = shard_inputs
     if getattr(config, "sparse_attention", False):
         hooks.indexer_keys = functools.partial(indexer_keys, shard=shard, group=group)
+        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)
     if getattr(config, "v4_attention", False):
         hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
         if u > 1:

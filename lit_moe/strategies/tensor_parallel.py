@@ -7,6 +7,9 @@ reduce-scatters its partial output on exit:
 
 * MLA: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` are column-parallel (heads split), ``o_proj``
   row-parallel; the low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms are replicated.
+  DeepSeek-V3.2's indexer is replicated and computed whole on every rank; its loss's target sums the
+  attention over the heads of every rank (``hooks.head_sum``), so its gradient is whole on each rank
+  (:func:`tp_indexer`).
   DeepSeek-V4's attention: ``q_b_proj``, the grouped ``o_a_proj`` (whole head groups per rank) and the
   per-head ``sinks`` split by heads, ``o_b_proj`` row-parallel; its one key/value head, compressors
   and indexer are replicated. Its mHC hyper-connections mix the streams of each token: they run on
@@ -36,11 +39,12 @@ import functools
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_moe.strategies import comm
-from lit_moe.strategies.hooks import around_forward, transform_output, use_local_params
+from lit_moe.strategies.hooks import around_forward, direct_dtensor_params, transform_output, use_local_params
 
 
 def distribute_param(module: nn.Module, name: str, mesh, placements: Sequence) -> None:
@@ -140,6 +144,26 @@ def tp_attention(attn: nn.Module, mesh, sequence_parallel: bool = True) -> None:
     _sequence_parallel_block(attn, mesh.get_group(), sequence_parallel)
 
 
+def tp_indexer(indexer: nn.Module, mesh) -> None:
+    """DeepSeek-V3.2's lightning indexer: replicated, and so is its whole computation (detached inputs
+    of the gathered sequence, the target summed over every head by ``hooks.head_sum``), so each rank's
+    gradient of the indexer loss is already the whole gradient: declared ``Replicate``, not ``Partial``
+    (which would add the ranks' copies up, tensor_parallel times the gradient)."""
+    for module in indexer.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                distribute_param(module, name, mesh, [Replicate()])
+        if direct_dtensor_params(module):
+            use_local_params(module, partial_replicated_grads=False)
+
+
+def _head_sum(total: torch.Tensor, group) -> torch.Tensor:
+    """The model's ``hooks.head_sum``: this rank's heads' sum → every head's (no autograd)."""
+    total = total.clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 def tp_mlp(mlp: nn.Module, mesh, own_collectives: bool = True, sequence_parallel: bool = True) -> None:
     """Column/row-parallel MLP; with ``own_collectives`` it gathers and reduces itself (dense MLP),
     otherwise its output stays partial (shared experts inside a MoE layer)."""
@@ -212,11 +236,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     """Shard the model for tensor + sequence parallelism on ``tp_mesh`` (size > 1); with
     ``sequence_parallel=False`` plain tensor parallel for decoding (module docstring)."""
     from lit_moe.model import MLP, MoE
+    from lit_moe.model.indexer import LightningIndexer
 
     tp_embedding(model.embed_tokens, tp_mesh, sequence_parallel)
     experts = []
     for block in model.blocks():
         tp_attention(block.self_attention, tp_mesh, sequence_parallel)
+        if isinstance(getattr(block.self_attention, "indexer", None), LightningIndexer):
+            tp_indexer(block.self_attention.indexer, tp_mesh)
         mlp = block.mlp
         if isinstance(mlp, MoE):
             # gathered/scattered at the MoE boundary (expert_parallel.apply_moe_sequence_split)
@@ -228,6 +255,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         else:  # pragma: no cover - the model contract has only these two
             raise TypeError(f"tensor parallel: unknown MLP type {type(mlp).__name__}")
     tp_head(model, tp_mesh, sequence_parallel)
+    model.hooks.head_sum = functools.partial(_head_sum, group=tp_mesh.get_group())
     replicate_remaining(model, tp_mesh, skip=experts)
 
 

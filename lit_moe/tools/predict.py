@@ -181,9 +181,17 @@ def check_model(config) -> None:
     """What the cached decoder does not implement, refused before anything runs."""
     if config.window_size is not None:
         raise ConfigError(f"model.window_size: {config.window_size!r}: predict has no sliding-window cache")
-    if getattr(config, "sparse_attention", False):
-        raise ConfigError("model.experimental_attention_variant: 'dsa': predict has no cache of the indexer's keys "
-                          "yet (DeepSeek-V3.2's sparse attention)")
+    # the cached decoder (lit_moe.model.generate) runs MLA blocks on one residual stream
+    if not config.multi_latent_attention:
+        raise ConfigError("model.multi_latent_attention: false: predict caches MLA's latent only, not grouped-query "
+                          f"attention's keys and values yet ({config.model_type})")
+    if getattr(config, "v4_attention", False):
+        raise ConfigError("model.experimental_attention_variant: 'dsv4_hybrid': predict has no cache of DeepSeek-V4's "
+                          "attention (compressed keys, sliding window) yet")
+    for name in ("enable_hyper_connections", "num_hash_layers"):
+        if getattr(config, name, None):
+            raise ConfigError(f"model.{name}: {getattr(config, name)!r}: predict does not run DeepSeek-V4's mHC "
+                              "streams or hash routing yet")
     if getattr(config, "moe_expert_capacity_factor", None):
         raise ConfigError("model.moe_expert_capacity_factor: token dropping would make a batch's outputs depend on "
                           "its other prompts; predict needs it null")
