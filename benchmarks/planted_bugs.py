@@ -792,6 +792,10 @@ BUGS: list[Bug] = [
     Bug("plan_gqa_norm_inputs_not_kept", "plan memory (families)", "lit_moe/strategies/activation_memory.py",
         '"self_attention.q_norm": [("q_proj", T * n * d * a)],', '"self_attention.q_norm": [],',
         ("tests/test_memory_plan.py", "-k", "grouped_query")),
+    Bug("plan_gqa_weight_grads_as_mla", "plan memory (families)", "lit_moe/strategies/activation_memory.py",
+        "    if not c.multi_latent_attention:                      # grouped-query attention\n",
+        "    if False:\n",
+        ("tests/test_plan.py", "-k", "split_backward and gqa")),
     Bug("plan_v4_counted_as_mla", "plan memory (families)", "lit_moe/strategies/activation_memory.py",
         '    if getattr(config, "v4_attention", False) or getattr(config, "enable_hyper_connections", False):\n'
         "        return (",

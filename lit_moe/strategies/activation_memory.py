@@ -429,12 +429,17 @@ def layer_weight_grad_bytes(config: Any, layer_idx: int, tokens: int, *, expert_
     qr, kr = c.q_lora_rank, c.kv_lora_rank
     latent_norm = 1 if getattr(c, "qk_layernorm", True) else 0
     total = T * H * f                                     # input_layernorm's weight product
-    if qr is not None:
+    if not c.multi_latent_attention:                      # grouped-query attention
+        d, kv = c.gqa_head_dim, max(n * c.kv_heads // c.num_attention_heads, 1)
+        total += T * n * d * a + 2 * T * kv * d * a       # q, k, v projections
+        total += latent_norm * (T * n * d + T * kv * d) * f              # q_norm, k_norm
+    elif qr is not None:
         total += T * (qr + kr + dr) * a                   # fused q_a/kv_a GEMM
         total += latent_norm * T * qr * f + T * n * (dn + dr) * a      # q_a_layernorm, q_b_proj
     else:
         total += T * n * (dn + dr) * a + T * (kr + dr) * a             # q_proj, kv_a_proj_with_mqa
-    total += latent_norm * T * kr * f + T * n * (dn + dv) * a          # kv_a_layernorm, kv_b_proj
+    if c.multi_latent_attention:
+        total += latent_norm * T * kr * f + T * n * (dn + dv) * a      # kv_a_layernorm, kv_b_proj
     total += T * H * a                                    # o_proj
     total += T * H * f                                    # pre_mlp_layernorm
     if c.is_moe_layer(layer_idx):
