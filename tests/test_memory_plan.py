@@ -276,3 +276,108 @@ def test_sequence_split_by_hand():
     layers = sum(layer_activation_bytes(cfg, i, T, B, S, **kwargs) for i in range(cfg.num_hidden_layers))
     expected = per_forward_bytes(cfg, T) + layers + head_bytes(cfg, T, tp) + head_transient_bytes(cfg, T, tp)
     assert activations_by_rank(cfg, dims, None, 1, B, S, frozenset()) == [expected]
+
+
+# ----------------------------------------------------------------------------------------------
+# every family's layer (issue 30): grouped-query attention, the V3.2 indexer, the softmax router
+# ----------------------------------------------------------------------------------------------
+_GQA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
+            first_k_dense_replace=1, seq_length=32, max_position_embeddings=256, params_dtype="float32")
+FAMILY_LAYERS = {   # 2 key/value heads for 4 query heads; a dense layer 0 and a MoE layer 1 each
+    "qwen3_moe": dict(_GQA, model_type="qwen3_moe"),                 # softmax router, no renormalisation
+    "qwen3_moe_math": dict(_GQA, model_type="qwen3_moe", use_flash_attention=False),   # torch's math path
+    "glm4_moe": dict(_GQA, model_type="glm4_moe", n_group=4, topk_group=2, n_shared_experts=1,
+                     attention_bias=True, qk_layernorm=True),
+    "glm4_moe_no_qk_norm": dict(_GQA, model_type="glm4_moe", n_shared_experts=1),
+    "deepseek_v32_indexer_loss": dict(
+        model_type="deepseek_v32", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        first_k_dense_replace=1, index_topk=6, index_n_heads=4, index_head_dim=16, seq_length=32,
+        max_position_embeddings=256, params_dtype="float32", dsa_indexer_loss_coeff=0.1),
+}
+
+
+def _core_attention_taken(cfg) -> str:
+    # MLA's d_qk != d_v sends torch's SDPA to its math path on the CPU; grouped-query heads (equal head
+    # dims) take its fused CPU kernel unless use_flash_attention is off
+    return "math" if cfg.multi_latent_attention or not cfg.use_flash_attention else "fused"
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", sorted(FAMILY_LAYERS))
+def test_every_family_lists_what_autograd_saves(family, compute_dtype):
+    """One dense and one MoE layer of each family (fp32 weights, fp32 or bf16 compute, weight copies
+    counted in bf16): the bytes :func:`layer_saved_tensors` lists against ``saved_tensors_hooks`` counting
+    the layer's forward on the CPU, the way the MLA check measures them. Measured: exact in every case
+    (GQA with and without q/k norms, fused and math core attention; V3.2 with its indexer loss)."""
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_plan import _saved_bytes_of_one_layer
+
+    cfg = DeepseekV3Config(**FAMILY_LAYERS[family], compute_dtype=compute_dtype)
+    B, S = 2, cfg.seq_length
+    for layer_idx in (0, 1):
+        measured, rows = _saved_bytes_of_one_layer(cfg, layer_idx, B, False)
+        modelled = per_forward_bytes(cfg, B * S) + layer_activation_bytes(
+            cfg, layer_idx, B * S, B, S, core_attention=_core_attention_taken(cfg), expert_rows=rows)
+        assert modelled == measured, (family, compute_dtype, layer_idx, modelled, measured)
+
+
+GQA_SELECTIONS = ["self_attention", r"self_attention\.core_attention", r"self_attention\.(q_norm|k_norm)",
+                  r"self_attention\.o_proj", "mlp", r"mlp\.experts"]
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_selective_recompute_of_grouped_query_attention(compute_dtype):
+    """``select_module`` on Qwen3-MoE's modules (q/k norms, core attention, o_proj): the plan's bytes
+    against the measured ones. Measured: exact but ``mlp.experts`` (0.9985, its token-count input);
+    tolerance 1%."""
+    from types import SimpleNamespace
+
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import layer_activation_bytes, per_forward_bytes
+    from lit_moe.strategies.memory_plan import configured_selection
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_plan import _saved_bytes_of_one_layer
+
+    cfg = DeepseekV3Config(**FAMILY_LAYERS["qwen3_moe"], compute_dtype=compute_dtype)
+    B, S = 2, cfg.seq_length
+    for layer_idx in (0, 1):
+        _, rows = _saved_bytes_of_one_layer(cfg, layer_idx, B, False)
+        for select in GQA_SELECTIONS:
+            section = {"mode": "select", "select_module": {select: ["0-1"]}}
+            checkpointed, output_recomputed = configured_selection(
+                cfg, SimpleNamespace(tp=1, cp=1), section, None).get(layer_idx, ((), ()))
+            if not checkpointed:
+                continue
+            measured, _ = _saved_bytes_of_one_layer(cfg, layer_idx, B, section)
+            modelled = layer_activation_bytes(cfg, layer_idx, B * S, B, S, core_attention="fused", expert_rows=rows,
+                                              checkpointed=checkpointed, output_recomputed=output_recomputed)
+            modelled += 0 if "self_attention" in checkpointed else per_forward_bytes(cfg, B * S)
+            assert abs(modelled / measured - 1) < 0.01, (compute_dtype, layer_idx, select, modelled, measured)
+
+
+def test_deepseek_v4_plan_says_the_activation_figure_is_not_available(tmp_path):
+    """DeepSeek-V4's attention and hyper-connections are not modelled: the plan says so in one line and
+    counts no activations (rather than an MLA figure), with and without pipelines."""
+    from test_family_v4 import V4
+
+    from lit_moe.model import DeepseekV3Config
+    from lit_moe.strategies.activation_memory import EstimateUnavailable, layer_activation_bytes
+
+    with pytest.raises(EstimateUnavailable, match="deepseek_v4"):
+        layer_activation_bytes(DeepseekV3Config(**V4), 0, 64, 2, 32)
+    cfg = yaml.safe_load((ROOT / "configs" / "pynative.yaml").read_text())
+    cfg["model"] = dict(V4, seq_length=32)
+    cfg["training"].update(global_batch_size=8, local_batch_size=1)
+    for pp in (1, 2):
+        cfg["parallelism"].update(pipeline_parallel=pp, tensor_parallel=1)
+        result, text = _plan(tmp_path, cfg, 2)
+        line = "activation memory: not available for deepseek_v4"
+        assert text.count(line) == 1, text
+        assert all(row.activations == 0 for row in result["peaks"])

@@ -349,7 +349,8 @@ class _KeptBytes:
         return t.detach()   # t itself would make a grad_fn cycle that a split backward never frees
 
 
-def test_split_backward_keeps_what_the_zero_bubble_plan_says():
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_split_backward_keeps_what_the_zero_bubble_plan_says(attention):
     """The zero-bubble part of the plan against torch's own split backward (``stage_backward_input`` /
     ``stage_backward_weight``, what ``PipelineStage`` runs for I and W) on the two kinds of stages that
     have one: a middle stage (dense + MoE layer) and the last stage (MoE layer + final norm + loss head),
@@ -357,7 +358,8 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says():
     nothing of what the forwards saved (measured against :func:`layer_activation_bytes`) and keeps the
     output gradients :func:`layer_weight_grad_bytes` / :func:`head_weight_grad_bytes` count (exactly);
     each weight-gradient step frees its micro-batch's both; after the last one nothing is left; the
-    gradients equal a plain full backward's."""
+    gradients equal a plain full backward's. ``gqa``: the same model with Qwen3-MoE's grouped-query
+    attention (2 key/value heads, q/k norms; torch's fused CPU kernel)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -366,7 +368,10 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says():
                                                       layer_weight_grad_bytes, per_forward_bytes)
     from lit_moe.pipeline import DeepseekV3Stage, StageParts
 
-    cfg = DeepseekV3Config(**_tiny_pipeline_model())
+    gqa = dict(model_type="qwen3_moe", multi_latent_attention=False, num_key_value_heads=2, head_dim=16,
+               qk_layernorm=True, scoring_func="softmax", n_shared_experts=0)
+    cfg = DeepseekV3Config(**_tiny_pipeline_model(**(gqa if attention == "gqa" else {})))
+    core_attention = "math" if cfg.multi_latent_attention else "fused"
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
     model.init_weights(0)
@@ -398,7 +403,7 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says():
             grads = head_weight_grad_bytes(cfg, S) if last else 0
             for i in layers:
                 r = rows[i][m] if rows[i] else None
-                saved += layer_activation_bytes(cfg, i, S, 1, S, core_attention="math", expert_rows=r)
+                saved += layer_activation_bytes(cfg, i, S, 1, S, core_attention=core_attention, expert_rows=r)
                 grads += layer_weight_grad_bytes(cfg, i, S, expert_rows=r)
             return saved, grads
 

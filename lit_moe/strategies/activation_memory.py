@@ -6,7 +6,12 @@ The per-layer model lists the tensors the layer's ops save (``ctx.save_for_backw
 (unfused RMSNorm computed in ``layernorm_compute_dtype``, the fused q_a/kv_a and gate/up GEMMs whose
 concatenated weight is a per-forward tensor, rotary angles in ``rotary_dtype``, dropless grouped
 experts). ``tests/test_plan.py`` compares it with ``torch.autograd.graph.saved_tensors_hooks`` counting
-the bytes one layer's forward saves on the CPU. Core attention has two variants:
+the bytes one layer's forward saves on the CPU, ``tests/test_memory_plan.py`` for every family: MLA
+(DeepSeek-V3; V3.2 adds its lightning indexer's tensors when it trains on its loss), grouped-query
+attention (Qwen3-MoE, GLM-4-MoE: q/k norms, key/value heads repeated to the query heads), and the
+sigmoid or softmax router (the same tensors; the renormalisation's only with ``norm_topk_prob``).
+DeepSeek-V4's attention and hyper-connections are not modelled: :func:`not_estimated` says so and
+``lit_moe plan`` prints that line instead of a figure. Core attention has two variants:
 
 * ``fused`` (flash / memory-efficient kernels on GPU and NPU): q, k, v, the output and the
   log-sum-exp, O(S);
@@ -139,6 +144,15 @@ def layer_inputs(config: Any, layer_idx: int, tokens: int, *, tp: int = 1,
         "pre_mlp_layernorm": [("h", Tl * H * a)], "mlp": [("ln2", Tl * H * a)],
         "mlp.all_gather": [("ln2", Tl * H * a)], "mlp.router.all_gather": [("ln2", Tl * H * a)],
     }
+    if not c.multi_latent_attention:   # grouped-query attention (:func:`_gqa_saved`'s storages)
+        d, kv = c.gqa_head_dim, max(n * c.kv_heads // c.num_attention_heads, 1)
+        for key in [k for k in inputs if k.startswith("self_attention.") and k != "self_attention.all_gather"]:
+            del inputs[key]
+        inputs.update({"self_attention.q_norm": [("q_proj", T * n * d * a)],
+                       "self_attention.k_norm": [("k_proj", T * kv * d * a)],
+                       "self_attention.core_attention": [("query", T * n * d * a), ("key", T * n * d * a),
+                                                         ("value", T * n * d * a)],
+                       "self_attention.o_proj": [("out", T * n * d * a)]})
     if c.is_moe_layer(layer_idx):
         K = c.num_experts_per_tok
         inputs.update({"mlp.router": [(_gathered("ln2", tp), T * H * a)],
@@ -168,16 +182,16 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
     """Every tensor decoder layer ``layer_idx`` saves for backward, as ``(owner, storage, bytes)``: the
     module path whose forward runs the op that saves it, a name for the storage (tensors saved by
     several ops, or views of one storage, share it) and its bytes. Arguments as
-    :func:`layer_activation_bytes`."""
+    :func:`layer_activation_bytes`. :class:`EstimateUnavailable` for a family not modelled (:func:`not_estimated`)."""
     c = config
+    if not_estimated(c):
+        raise EstimateUnavailable(not_estimated(c))
     T, H, Tl = tokens, c.hidden_size, tokens // tp
     a = _bytes(c.torch_dtype("compute_dtype"))
     f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
     if weight_copies is None:
         weight_copies = c.torch_dtype("params_dtype") != c.torch_dtype("compute_dtype")
     n = heads if heads is not None else c.num_attention_heads
-    dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-    qr, kr = c.q_lora_rank, c.kv_lora_rank
     rows: list[tuple[str, str, int]] = []
 
     def add(owner: str, key: str, nbytes: int) -> None:
@@ -194,6 +208,52 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
 
     norm("input_layernorm", H, Tl, "x", Tl * H * a)
     add("self_attention", _gathered("ln1", tp), T * H * a)     # the first projections' (gathered) input
+    if c.multi_latent_attention:
+        _mla_saved(add, norm, c, layer_idx, T, batch, seq, n, a, core_attention, weight_copies, fused_weights)
+    else:
+        _gqa_saved(add, norm, c, layer_idx, T, batch, seq, n, a, core_attention, weight_copies)
+    # MLP half
+    norm("pre_mlp_layernorm", H, Tl, "h", Tl * H * a)
+    rb = _bytes(c.torch_dtype("router_dense_type"))
+    if not c.is_moe_layer(layer_idx) or c.n_shared_experts > 0 or rb == a:
+        # the router's / MLP's (gathered) input; a MoE layer without shared experts (Qwen3-MoE) whose
+        # router casts it keeps only the cast and the permuted copy
+        add("mlp", _gathered("ln2", tp), T * H * a)
+    if c.is_moe_layer(layer_idx):
+        E, K, I = c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        R = (expert_rows if expert_rows is not None else T * K) // tp    # tensor parallel splits the rows
+        if rb != a:
+            add("mlp.router", "router_in", T * H * rb)         # router input (cast)
+        # sigmoid, softmax (Qwen3-MoE) and sqrt-softplus keep their output; the gather its indices; the
+        # renormalisation (``norm_topk_prob``, off in Qwen3-MoE) the chosen weights and their sum
+        router = [("scores", T * E * rb), ("topk_index", T * K * INDEX_BYTES)]
+        if c.norm_topk_prob:
+            router += [("topk_weights", T * K * rb), ("topk_sum", T * rb)]
+        for key, nbytes in router:
+            add("mlp.router", key, nbytes)
+        add("mlp", "permutation", T * K * INDEX_BYTES)          # permutation, its inverse
+        add("mlp", "inverse", T * K * INDEX_BYTES)
+        ex = "mlp.experts"
+        for key, nbytes in (("assignment", T * K * INDEX_BYTES), ("perm_x", T * K * H * a), ("perm_w", T * K * a),
+                            ("offsets", E * 4), ("rows_in", R * H * a), ("gate_up", R * 2 * I * a),
+                            ("act_in", R * I * a), ("act", R * I * a), ("act_w", R * I * a), ("row_w", R * a)):
+            add(ex, key, nbytes)                                # permuted tokens, grouped rows
+        if weight_copies:
+            add(ex, "w_experts", E * H * 2 * I * a + E * I * H * a)
+        if c.n_shared_experts > 0:
+            _mlp(add, "mlp.shared_experts", c.shared_expert_intermediate_size // tp, T, H, a, weight_copies,
+                 fused_weights)
+    else:
+        _mlp(add, "mlp", c.intermediate_size // tp, T, H, a, weight_copies, fused_weights)
+    return rows
+
+
+def _mla_saved(add: Any, norm: Any, c: Any, layer_idx: int, T: int, batch: int, seq: int, n: int, a: int,
+               core_attention: str, weight_copies: bool, fused_weights: bool) -> None:
+    """Multi-head latent attention's rows (DeepSeek-V3, V3.2 with its indexer): the latent projections and
+    norms, the per-head query/key/value made from them, the core attention and ``o_proj``'s input."""
+    H, dn, dr, dv = c.hidden_size, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    qr, kr = c.q_lora_rank, c.kv_lora_rank
     att = "self_attention"
     if qr is not None:
         if fused_weights:
@@ -224,41 +284,88 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
         add(core, "kv", T * n * (dn + dv) * a)
     else:
         add(core, "value", T * n * dv * qb)                     # value, made contiguous in the query's dtype
+    _core_outputs(add, core, batch, seq, n, dv * T * n * qb, core_attention)
+    add(f"{att}.o_proj", "attn_out", T * n * dv * a)
+    if c.sparse_attention and (c.dsa_indexer_loss_coeff or 0) > 0:
+        _indexer_saved(add, c, T, batch, seq, a)
+
+
+def _core_outputs(add: Any, core: str, batch: int, seq: int, n: int, out_bytes: int, core_attention: str) -> None:
+    # the math path keeps the softmax probabilities (fp32), the fused kernels the output and log-sum-exp
     if core_attention == "math":
-        add(core, "probs", batch * n * seq * seq * 4)           # softmax probabilities (fp32)
+        add(core, "probs", batch * n * seq * seq * 4)
     elif core_attention == "fused":
-        add(core, "out", T * n * dv * qb)                       # output, log-sum-exp
+        add(core, "out", out_bytes)
         add(core, "lse", batch * n * seq * 4)
     else:
         raise ValueError(f"core_attention: expected 'fused' or 'math', got {core_attention!r}")
-    add(f"{att}.o_proj", "attn_out", T * n * dv * a)
-    # MLP half
-    norm("pre_mlp_layernorm", H, Tl, "h", Tl * H * a)
-    add("mlp", _gathered("ln2", tp), T * H * a)               # the router's / MLP's (gathered) input
-    if c.is_moe_layer(layer_idx):
-        E, K, I = c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        R = (expert_rows if expert_rows is not None else T * K) // tp    # tensor parallel splits the rows
-        rb = _bytes(c.torch_dtype("router_dense_type"))
-        if rb != a:
-            add("mlp.router", "router_in", T * H * rb)         # router input (cast)
-        for key, nbytes in (("scores", T * E * rb), ("topk_index", T * K * INDEX_BYTES),
-                            ("topk_weights", T * K * rb), ("topk_sum", T * rb)):
-            add("mlp.router", key, nbytes)
-        add("mlp", "permutation", T * K * INDEX_BYTES)          # permutation, its inverse
-        add("mlp", "inverse", T * K * INDEX_BYTES)
-        ex = "mlp.experts"
-        for key, nbytes in (("assignment", T * K * INDEX_BYTES), ("perm_x", T * K * H * a), ("perm_w", T * K * a),
-                            ("offsets", E * 4), ("rows_in", R * H * a), ("gate_up", R * 2 * I * a),
-                            ("act_in", R * I * a), ("act", R * I * a), ("act_w", R * I * a), ("row_w", R * a)):
-            add(ex, key, nbytes)                                # permuted tokens, grouped rows
-        if weight_copies:
-            add(ex, "w_experts", E * H * 2 * I * a + E * I * H * a)
-        if c.n_shared_experts > 0:
-            _mlp(add, "mlp.shared_experts", c.shared_expert_intermediate_size // tp, T, H, a, weight_copies,
-                 fused_weights)
-    else:
-        _mlp(add, "mlp", c.intermediate_size // tp, T, H, a, weight_copies, fused_weights)
-    return rows
+
+
+def _gqa_saved(add: Any, norm: Any, c: Any, layer_idx: int, T: int, batch: int, seq: int, n: int, a: int,
+               core_attention: str, weight_copies: bool) -> None:
+    """Grouped-query attention's rows (Qwen3-MoE, GLM-4-MoE; ``lit_moe/model/gqa.py``): q/k/v projections
+    of the block's input (saved once, as ``ln1``), the per-head q/k norms on the projections' outputs,
+    the rotary step (its cos/sin only: :func:`per_forward_bytes`; the result is in the compute dtype),
+    and the core attention on the key/value heads repeated to the ``n`` query heads. ``n``: this
+    rank's query heads, its key/value heads ``n * kv_heads / num_attention_heads``."""
+    d = c.gqa_head_dim
+    kv = max(n * c.kv_heads // c.num_attention_heads, 1)
+    att, core = "self_attention", "self_attention.core_attention"
+    H = c.hidden_size
+    if weight_copies:
+        add(f"{att}.q_proj", "w_q", H * n * d * a)
+        add(f"{att}.k_proj", "w_k", H * kv * d * a)
+        add(f"{att}.v_proj", "w_v", H * kv * d * a)
+        add(f"{att}.o_proj", "w_o", n * d * H * a)
+    if c.qk_layernorm:   # on q_proj's / k_proj's outputs, one head_dim-wide norm per head
+        norm(f"{att}.q_norm", d, T * n, "q_proj", T * n * d * a)
+        norm(f"{att}.k_norm", d, T * kv, "k_proj", T * kv * d * a)
+    # query (rotated), key and value repeated to the query heads: all [B, n, S, d] in the compute dtype
+    for key in ("query", "key", "value"):
+        add(core, key, T * n * d * a)
+    _core_outputs(add, core, batch, seq, n, T * n * d * a, core_attention)
+    if core_attention == "math":
+        # the product's input (the masked probabilities in the compute dtype) and the causal masks
+        add(core, "probs_v", batch * n * seq * seq * a)
+        add(core, "masks", seq * seq + seq)
+    # o_proj's input: the fused kernels write their output token-major, so it is a view of "out";
+    # the math path's [B, n, S, d] product is copied by the transpose
+    add(f"{att}.o_proj", "out" if core_attention == "fused" else "attn_out", T * n * d * a)
+
+
+def _indexer_saved(add: Any, c: Any, T: int, batch: int, seq: int, a: int) -> None:
+    """DeepSeek-V3.2's lightning indexer in a training forward with its loss (``dsa_indexer_loss_coeff > 0``;
+    otherwise it runs without autograd and saves nothing): the key LayerNorm (input in its dtype, mean,
+    rstd), the fp32 rotated queries and key, the fp32 head weights, each head's ReLU scores ``[B, S, S]``
+    (fp32) and the KL loss's log-softmax, target and two masks. Its projections' inputs are the
+    attention's (detached views of the same storages), and no weight copy is saved: the detached inputs
+    need no gradient."""
+    f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
+    nh, D = c.index_n_heads, c.index_head_dim
+    ix = "self_attention.indexer"
+    add(f"{ix}.k_norm", "indexer.wk" if a == f else "indexer.wk.upcast", T * D * f)
+    add(f"{ix}.k_norm", "indexer.mean", T * 4)
+    add(f"{ix}.k_norm", "indexer.rstd", T * 4)
+    add(ix, "indexer.key", T * D * 4)
+    add(ix, "indexer.query", T * nh * D * 4)
+    add(ix, "indexer.weights", T * nh * 4)
+    add(ix, "indexer.relu", nh * batch * seq * seq * 4)
+    add(ix, "indexer.log_q", batch * seq * seq * 4)
+    add(ix, "indexer.target", batch * seq * seq * 4)
+    add(ix, "indexer.masks", 2 * batch * seq * seq)
+
+
+class EstimateUnavailable(ValueError):
+    """The family's layers are not modelled (:func:`not_estimated`)."""
+
+
+def not_estimated(config: Any) -> Optional[str]:
+    """Why the activation figure is not available for this model (None: it is): DeepSeek-V4's attention
+    (sliding + compressed keys, sinks) and its hyper-connection residual streams are not modelled."""
+    if getattr(config, "v4_attention", False) or getattr(config, "enable_hyper_connections", False):
+        return (f"activation memory: not available for {config.model_type} (DeepSeek-V4 attention / "
+                f"hyper-connections are not modelled); the activation column counts 0")
+    return None
 
 
 def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bool, fused_weights: bool) -> None:
@@ -273,10 +380,11 @@ def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bo
 
 
 def per_forward_bytes(config: Any, tokens: int) -> int:
-    """Tensors one forward shares between its layers: the rotary cos and sin, ``[T, d_rope / 2]`` each."""
+    """Tensors one forward shares between its layers: the rotary cos and sin, ``[T, d_rope / 2]`` each
+    (``rotary_dim``: MLA's ``qk_rope_head_dim``, the rotated part of a grouped-query head)."""
     if config.position_embedding_type not in ("rope", "yarn"):
         return 0
-    return 2 * tokens * (config.qk_rope_head_dim // 2) * _bytes(config.torch_dtype("rotary_dtype"))
+    return 2 * tokens * (config.rotary_dim // 2) * _bytes(config.torch_dtype("rotary_dtype"))
 
 
 def head_bytes(config: Any, tokens: int, tp: int = 1) -> int:
@@ -321,12 +429,17 @@ def layer_weight_grad_bytes(config: Any, layer_idx: int, tokens: int, *, expert_
     qr, kr = c.q_lora_rank, c.kv_lora_rank
     latent_norm = 1 if getattr(c, "qk_layernorm", True) else 0
     total = T * H * f                                     # input_layernorm's weight product
-    if qr is not None:
+    if not c.multi_latent_attention:                      # grouped-query attention
+        d, kv = c.gqa_head_dim, max(n * c.kv_heads // c.num_attention_heads, 1)
+        total += T * n * d * a + 2 * T * kv * d * a       # q, k, v projections
+        total += latent_norm * (T * n * d + T * kv * d) * f              # q_norm, k_norm
+    elif qr is not None:
         total += T * (qr + kr + dr) * a                   # fused q_a/kv_a GEMM
         total += latent_norm * T * qr * f + T * n * (dn + dr) * a      # q_a_layernorm, q_b_proj
     else:
         total += T * n * (dn + dr) * a + T * (kr + dr) * a             # q_proj, kv_a_proj_with_mqa
-    total += latent_norm * T * kr * f + T * n * (dn + dv) * a          # kv_a_layernorm, kv_b_proj
+    if c.multi_latent_attention:
+        total += latent_norm * T * kr * f + T * n * (dn + dv) * a      # kv_a_layernorm, kv_b_proj
     total += T * H * a                                    # o_proj
     total += T * H * f                                    # pre_mlp_layernorm
     if c.is_moe_layer(layer_idx):

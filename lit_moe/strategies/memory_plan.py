@@ -118,9 +118,11 @@ def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumula
     norms and residual stream split over the tensor-parallel ranks (sequence parallel), the
     ``selection`` of selective recompute (:func:`configured_selection`). ``core_attention``: ``fused``
     (GPU/NPU kernels) or ``math`` (torch's CPU path)."""
-    from lit_moe.strategies.activation_memory import (head_transient_bytes, model_activation_bytes,
+    from lit_moe.strategies.activation_memory import (head_transient_bytes, model_activation_bytes, not_estimated,
                                                       pipeline_activation_plan)
 
+    if not_estimated(model_config):    # said once by print_peaks, not an MLA figure in its place
+        return [0] * dims.pp
     seq = seq_length // dims.cp
     kwargs = activation_kwargs(model_config, dims, core_attention)
     tokens = local_batch_size * seq
@@ -247,6 +249,10 @@ def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recomp
       f"{recompute_text})", file=out)
     for line in _selection_lines(selection):
         p(f"  {line}", file=out)
+    from lit_moe.strategies.activation_memory import not_estimated
+
+    if not_estimated(model_config):
+        p(f"  {not_estimated(model_config)}", file=out)
     p(f"  {'':17s}{'params':>11s}{'grads':>11s}{'optimizer':>11s}{'activations':>13s}{'buffers':>10s}"
       f"{'total':>11s}", file=out)
     for r in peaks:

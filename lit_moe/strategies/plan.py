@@ -306,10 +306,13 @@ def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation
     ``seq_length / cp`` tokens each, ``heads / tp`` attention heads and the sequence split of tensor
     parallel on a rank. Fully recomputed layers keep only their input, selectively recomputed modules
     their inputs (:func:`lit_moe.strategies.memory_plan.configured_selection`)."""
-    from lit_moe.strategies.activation_memory import pipeline_activation_plan
+    from lit_moe.strategies.activation_memory import not_estimated, pipeline_activation_plan
     from lit_moe.strategies.memory_plan import activation_kwargs, configured_full_layers, configured_selection
 
     full = configured_full_layers(model_config, recompute, recompute_comm)
+    if not_estimated(model_config):    # the peak table says why (memory_plan.print_peaks)
+        zero = {"bytes": 0, "chunks": 0, "per_microbatch": 0, "weight_grad_per_microbatch": 0}
+        return {"ranks": [dict(zero) for _ in range(layout.pp)], "recompute_layers": full}
     selection = configured_selection(model_config, dims, recompute, recompute_comm)
     rows = pipeline_activation_plan(model_config, layout, accumulation, local_batch_size, seq_length // dims.cp,
                                     recompute_layers=full, selection=selection,
