@@ -63,10 +63,11 @@ def reference(tmp_path_factory) -> dict:
 def test_one_rank_failing_during_a_commit_does_not_advance_the_tracker(reference):
     proc, save = reference["proc"], reference["save"]
     assert proc.returncode != 0 and sorted(reference["probe"]) == [1, 2, 3, 4, 5, 6], proc.stderr[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit_moe: error")]
-    assert len(errors) == 2 and proc.stderr.count("No space left on device") == 2, proc.stderr[-3000:]  # no traceback
-    for line in errors:  # both ranks report the same failure
-        assert "iteration_00000006 failed: rank 1: OSError: [Errno 28] No space left on device" in line
+    # every rank that reports, reports the same failure in one line and no traceback repeats it; the
+    # second rank's report may not come: torchrun stops the other workers once one exits (seen under load)
+    reports = proc.stderr.count("lit_moe: error: ")
+    assert 1 <= reports <= 2 and proc.stderr.count("No space left on device") == reports, proc.stderr[-3000:]
+    assert proc.stderr.count("iteration_00000006 failed: rank 1: OSError: [Errno 28] No space left on device") == reports
     assert tracker(save) == "4" and not (save / "iteration_00000006").exists()
     assert not list(save.glob(".iteration_*"))
 
