@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import launch_pool
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,12 +130,20 @@ def retry_on_port_clash(launch, tries: int = 4) -> list[tuple[int, str]]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does). ``timeout`` is
-    for a quiet machine and is ``scaled``; a ``PYTHONPATH`` in ``env`` is added to the inherited one."""
+    """Run ``python -m lit_moe.cli ARGS`` in a fresh process (what a user's shell does; forked from the
+    pre-imported ``launch_pool``). ``timeout`` is for a quiet machine and is ``scaled``; a ``PYTHONPATH``
+    in ``env`` is added to the inherited one."""
     env = dict(env or {})
     full_env = child_env(*[p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p], **env)
-    return subprocess.run([sys.executable, "-m", "lit_moe.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=scaled(timeout))
+    return launch_pool.run(["-m", "lit_moe.cli", *args], env=full_env, cwd=cwd, timeout=scaled(timeout))
+
+
+def torchrun(world: int, argv: list[str], cwd: Path | str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=WORLD ARGV`` (a script and its arguments, or ``-m``
+    module ...), each rank forked from the pre-imported ``launch_pool`` with torchrun's variables:
+    ``stdout`` holds every rank's output, ``stderr`` is empty. ``timeout`` is for a quiet machine and is
+    ``scaled``. Launches that test torchrun itself (restarts, its agent) run the real command."""
+    return launch_pool.run_ranks(world, argv, env=env, cwd=cwd, timeout=scaled(timeout))
 
 
 def cli_in_process(args: list[str], capfd, cwd: Path | None = None) -> subprocess.CompletedProcess:

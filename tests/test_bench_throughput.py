@@ -3,13 +3,13 @@
 import importlib.util
 import json
 import math
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
 
 from helpers import ROOT, scaled
+import launch_pool  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "train_throughput.py"
 
@@ -79,9 +79,8 @@ def test_communication_is_the_union_of_outermost_collective_ranges(bench):
 
 def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--lit", "eager", "--steps", "2",
-                           "--warmup", "1", "--threads", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=scaled(300), cwd=ROOT)
+    proc = launch_pool.run([str(SCRIPT), "--preset", "tiny", "--lit", "eager", "--steps", "2", "--warmup", "1",
+                            "--threads", "1", "--json", str(out)], env=dict(os.environ), cwd=ROOT, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "speed-up" in proc.stdout and "peak tensors" in proc.stdout
     res = json.loads(out.read_text())

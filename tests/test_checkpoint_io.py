@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import launch_pool  # noqa: E402  (tests/ is on sys.path)
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -181,9 +182,8 @@ def test_resume_opens_o1_files_and_reads_only_its_bytes(tmp_path):
     Bytes read per rank: its own pieces (the replicated tensors included), the headers of the files
     it opens and at most a chunk of rounding at each end of a piece; a rank of 4 resuming from 2
     reads about half what a rank of 2 does, not whole files."""
-    proc = subprocess.run([sys.executable, str(HERE), "--scenario", str(tmp_path)], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=str(REPO),
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = launch_pool.run([str(HERE), "--scenario", str(tmp_path)], timeout=TIMEOUT, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     opened = {tag: [r["opened"] for r in ranks] for tag, ranks in got.items()}

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import child_env, scaled, wait_for_line
+import launch_pool  # noqa: E402
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -624,8 +625,8 @@ def test_reshard_across_layouts_on_gloo(tmp_path):
     """A checkpoint written by 2 FSDP2 ranks (remove_redundancy) loads into tensor parallel 2, into
     one process and back into FSDP2 with load_balanced: identical full weights, the same eval loss,
     and after a full resume the same loss on the next step as the uninterrupted run."""
-    proc = subprocess.run([sys.executable, str(HERE), "--scenario", "reshard", "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=scaled(TIMEOUT), env=subprocess_env(), cwd=str(REPO))
+    proc = launch_pool.run([str(HERE), "--scenario", "reshard", "--root", str(tmp_path)], timeout=scaled(TIMEOUT),
+                           env=subprocess_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     # fit 1: steps 1-3 + eval, fit 2 (tp2): eval, fit 3 (balanced resume): step 4 + eval, fit 4: steps 1-4 + eval

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parallel_numerics import GLOBAL_BATCH, SEQ, STEPS, _close, batches, launch, model_section  # noqa: E402
-from helpers import scaled  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 DOC_ENDS = [11, 20, 32]          # documents cross the zig-zag chunk boundaries (chunks of 8 or 4)
 
@@ -356,7 +356,6 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_stra
     """``lit_moe fit`` under torchrun (2 processes, ulysses cp2, MTP on) trains and evaluates (the real
     DataModule's validation split, after every step) as the same run in one process (in this
     process: the reference needs no isolation)."""
-    import subprocess
 
     from helpers import ROOT, child_env, tiny_config, write_config
     from lit_moe.cli import main
@@ -378,10 +377,8 @@ def test_cli_ulysses_cp2_with_mtp_matches_one_process(tmp_path, one_process_stra
         if world == 1:
             assert main(argv) == 0
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   "-m", "lit_moe.cli", *argv]
-            proc = subprocess.run(cmd, cwd=run_dir, env=child_env(ROOT / "tests"), capture_output=True, text=True,
-                                  timeout=scaled(500))
+            proc = torchrun(world, ["-m", "lit_moe.cli", *argv], cwd=run_dir, env=child_env(ROOT / "tests"),
+                            timeout=500)
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
         records[world] = (steps, json.loads((run_dir / "steps.jsonl.val.json").read_text()))

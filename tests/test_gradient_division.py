@@ -12,13 +12,12 @@ any process group.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import scaled  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, WORLD = 96, 16, 2
@@ -98,10 +97,8 @@ def worker_main(out_dir: str) -> None:
 def layout_grads(tmp_path_factory):
     out = tmp_path_factory.mktemp("division")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(Path(__file__).resolve()), "--worker", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300), cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = torchrun(WORLD, [str(Path(__file__).resolve()), "--worker", str(out)], cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 

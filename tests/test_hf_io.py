@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import launch_pool  # noqa: E402  (tests/ is on sys.path)
 from safetensors.torch import load_file, save_file
 
 HERE = Path(__file__).resolve()
@@ -195,9 +197,8 @@ def test_each_rank_reads_only_its_slices(tmp_path):
         p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
     model.save_pretrained(tmp_path / "bf16")
     write_fp8_checkpoint(model, tmp_path / "fp8")
-    proc = subprocess.run([sys.executable, str(HERE), "--scenario", str(tmp_path)], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=str(REPO), env={**os.environ, "PYTHONPATH": str(REPO),
-                                                               "OMP_NUM_THREADS": "1"})
+    proc = launch_pool.run([str(HERE), "--scenario", str(tmp_path)], timeout=TIMEOUT, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     per_rank = [json.loads((tmp_path / f"bytes-{r}.json").read_text()) for r in range(2)]
     for name in ("bf16", "fp8"):

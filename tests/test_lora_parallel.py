@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import launch_pool
 from helpers import ROOT, child_env, cli_in_process, scaled, tiny_config, write_config
 
 STEPS = 3
@@ -100,10 +100,8 @@ def runs(tmp_path_factory):
     config = lora_config(tmp)
     for name in ["one", *LAYOUTS]:
         (tmp / name).mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--layouts", str(config), *LAYOUTS]
-    launch = subprocess.Popen(cmd, cwd=tmp, env=child_env(ROOT / "tests"), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    launch = launch_pool.Ranks(2, [str(Path(__file__).resolve()), "--layouts", str(config), *LAYOUTS], cwd=tmp,
+                               env=child_env(ROOT / "tests"))
     # the launch variables the in-process run sets (MASTER_PORT, ...): conftest restores them per test,
     # but this fixture is module-scoped, so it restores them itself (a later launch would reuse the port)
     saved = dict(os.environ)
@@ -111,14 +109,12 @@ def runs(tmp_path_factory):
         capfd = _NoCapture()
         one = cli_in_process(fit_argv(config), capfd, cwd=tmp / "one")
         assert one.returncode == 0
-        out, _ = launch.communicate(timeout=scaled(600))
+        done = launch.wait(scaled(600))
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
-    assert launch.returncode == 0, out[-6000:]
+        launch.stop()   # (the ranks, if the one-process run failed)
+    assert done.returncode == 0, done.stdout[-6000:]
     return {name: run_record(tmp / name) for name in ["one", *LAYOUTS]}
 
 

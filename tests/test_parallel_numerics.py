@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import scaled  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -354,11 +353,10 @@ def worker_main(names: list[str], out_dir: str) -> None:
 def launch(world: int, names: list[str], out_dir: Path, timeout: int = 300, script: Path = Path(__file__)) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(script.resolve()), "--worker", str(out_dir), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    proc = torchrun(world, [str(script.resolve()), "--worker", str(out_dir), *names], cwd=ROOT, env=env,
+                    timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-9000:]}")
 
 
 EXTRA = {2: ["comm"], 4: ["bf16"]}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ import torch
 
 from lit_moe.strategies.parallel_dims import ParallelismError
 from lit_moe.pipeline import PipelineError, PipelineLayout, resolve_schedule, split_layers
-from helpers import scaled, selected_layouts  # noqa: E402
+from helpers import selected_layouts, torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -506,10 +505,9 @@ def worker(world: int, out_dir: str, only: list[str]) -> None:
 
 def _launch(world: int, out_dir: Path, names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           __file__, "--worker", str(world), str(out_dir), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(600))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = torchrun(world, [__file__, "--worker", str(world), str(out_dir), *names], cwd=os.getcwd(), env=env,
+                    timeout=600)
+    assert proc.returncode == 0, proc.stdout[-9000:]
 
 
 @pytest.fixture(scope="module")
@@ -636,9 +634,7 @@ def _fit(tmp_path: Path, name: str, pp: int, save: bool = False, load: str = "",
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={world}", "-m", "lit_moe.cli", *args],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400))
+        proc = torchrun(world, ["-m", "lit_moe.cli", *args], cwd=tmp_path, env=env, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]

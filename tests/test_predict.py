@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers  # the judge
 
-from helpers import ROOT, child_env, randomize_norms_and_biases, scaled, tiny_config, write_config
+from helpers import ROOT, child_env, randomize_norms_and_biases, tiny_config, write_config, torchrun
 from lit_moe.cli import main as cli_main
 from lit_moe.model.generate import LatentCache, forward_step, generate, left_pad, top_p_filter
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -260,7 +260,6 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     """One torchrun launch of 2 ranks generates under tp2, ep2 and tp2·ep2 (each rank loading its pieces
     of the Hugging Face directory, and under tp2·ep2 also of our own checkpoint): rank 0 alone prints,
     greedy tokens are transformers' (as in one process), and seeded sampling draws one process's tokens."""
-    import subprocess
 
     from test_checkpoint_hf import _save_iteration
 
@@ -270,10 +269,8 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     texts = ["It is a truth", "Mr. D", "Emma"]
     configs = [str(write_config(tmp, {"model": model_section(tmp), "parallelism": LAYOUTS[name]}, f"{name}.yaml"))
                for name in LAYOUTS]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *configs]
-    proc = subprocess.run(cmd, cwd=tmp, env=child_env(ROOT / "tests"), capture_output=True, text=True,
-                          timeout=scaled(600))
+    proc = torchrun(2, [__file__, "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *configs], cwd=tmp,
+                    env=child_env(ROOT / "tests"), timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     runs: dict[str, list[list[int]]] = {}
     for line in proc.stdout.splitlines():

@@ -17,6 +17,7 @@ from lit_moe.data.catalog import builtin_tokenizer_path
 from lit_moe.data.preprocess import main
 from test_data_support import megatron
 from helpers import child_env, scaled  # noqa: E402
+import launch_pool  # noqa: E402
 
 TEXTS = ["Hello, world.", "", "Ünïcödé — ✓ text", "It is a truth universally acknowledged.\nSecond line."]
 
@@ -132,10 +133,9 @@ def test_bad_arguments(tmp_path, capsys):
 
 def test_command_line_shows_progress(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", ["some text"] * 50)
-    proc = subprocess.run([sys.executable, "-m", "lit_moe.data.preprocess", "--input", src, "--output-prefix",
-                           str(tmp_path / "cli"), "--tokenizer", "byte", "--workers", "2"],
-                          capture_output=True, text=True, timeout=scaled(120),
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = launch_pool.run(["-m", "lit_moe.data.preprocess", "--input", src, "--output-prefix",
+                            str(tmp_path / "cli"), "--tokenizer", "byte", "--workers", "2"], env=dict(os.environ),
+                           timeout=scaled(120), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     assert "preprocess: 100%" in proc.stderr  # the progress bar
     assert "50 documents" in proc.stdout and "cli_text_document" in proc.stdout
@@ -202,10 +202,9 @@ def test_hugging_face_tokenizer_directory(tmp_path, capsys):
 
 def test_progress_bar_reports_tokens_per_second(tmp_path):
     src = write_parquet(tmp_path / "in.parquet", ["some text"] * 50)
-    proc = subprocess.run([sys.executable, "-m", "lit_moe.data.preprocess", "--input", src, "--output-prefix",
-                           str(tmp_path / "cli"), "--tokenizer", "byte", "--workers", "1"],
-                          capture_output=True, text=True, timeout=scaled(120),
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = launch_pool.run(["-m", "lit_moe.data.preprocess", "--input", src, "--output-prefix",
+                            str(tmp_path / "cli"), "--tokenizer", "byte", "--workers", "1"], env=dict(os.environ),
+                           timeout=scaled(120), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"preprocess: 100%.*tokens/s", proc.stderr), proc.stderr
     # 50 documents of 9 bytes + EOD

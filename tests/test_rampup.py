@@ -15,13 +15,11 @@ import io
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from helpers import ROOT, run_cli, tiny_config, write_config
+from helpers import ROOT, run_cli, tiny_config, write_config, torchrun
 from lit_moe.config import ConfigError, TrainingConfig
 from lit_moe.optim.schedules import BatchRamp, batch_ramp
 
@@ -227,9 +225,8 @@ def test_cli_ramp_under_dp2_and_pp2_matches_one_process(uninterrupted, tmp_path,
         cfg["parallelism"].update(pipeline_parallel=2, pipeline_parallel_schedule="1f1b")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lit_moe.cli",
-           "fit", "--config", str(write_config(tmp_path, cfg)), "--trainer.accelerator", "cpu"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
+    proc = torchrun(2, ["-m", "lit_moe.cli", "fit", "--config", str(write_config(tmp_path, cfg)),
+                        "--trainer.accelerator", "cpu"], cwd=tmp_path, env=env, timeout=800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = _rows(rec)
     assert [r["consumed_samples"] for r in rows] == SAMPLES

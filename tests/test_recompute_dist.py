@@ -6,7 +6,6 @@ Run by pytest (it starts this file as a script, which spawns the two ranks)."""
 
 import functools
 import os
-import subprocess
 import sys
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import scaled  # noqa: E402
+import launch_pool  # noqa: E402
 
 WORLD = 2
 
@@ -186,7 +186,7 @@ def worker(rank: int, store_file: str):
 def test_comm_recompute_regathers_in_backward_two_ranks():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=scaled(180))
+    r = launch_pool.run([__file__], env=env, cwd=os.getcwd(), timeout=scaled(180))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ranks ok" in r.stdout
 

@@ -375,7 +375,6 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
     143, checkpoint of step 3). The flag rides in the step's metrics all-reduce: no step calls a
     collective from lit_moe's preemption code or Lightning's signal handling (before: a gloo MAX
     all-reduce and Lightning's rank-0 broadcast at every step)."""
-    import subprocess
 
     cfg = config(tmp_path, "two.yaml", steps=6, callbacks=[("SignalAt", {"step": 3, "micro": 0, "rank": 1}),
                                                           ("SignalCollectives", {"path": str(tmp_path / "calls")})])
@@ -384,9 +383,8 @@ def test_signal_on_one_rank_stops_both_without_a_collective_per_step(tmp_path):
     raw["callbacks"].append({"class_path": "capture_callbacks.MoEAuxRecorder", "init_args": {"path": str(tmp_path / "aux")}})
     cfg.write_text(helpers.yaml.safe_dump(raw))
     env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.accelerator", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=helpers.scaled(360))
+    proc = helpers.torchrun(2, ["-m", "lit_moe.cli", "fit", "--config", str(cfg), *FLAGS, "--trainer.accelerator", "cpu"],
+                            cwd=tmp_path, env=env, timeout=360)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "stopped by SIGTERM after step 3" in log, log[-4000:]
     assert (tmp_path / "ckpt" / "iteration_00000003").is_dir()
@@ -415,7 +413,6 @@ def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
     """torchrun, 2 ranks, ``process_group_timeout_s: 6``; rank 1 takes 1.2× the timeout to write its files (0.6× before each of its two tensor files; 6 s scaled by the load).
     Rank 0 waits for it for the timeout plus the checkpoint's bytes at the granted write rate (here
     1 kB/s, so ~2 MB gives ample time) instead of failing the save after 6 s."""
-    import subprocess
 
     # the start-up rendezvous waits longer (STARTUP_RENDEZVOUS); the timeout covers the ranks' skew
     # between two collectives: 6 s on a quiet machine, stretched on a busy one, and the slow writer with
@@ -427,10 +424,8 @@ def test_a_save_slower_than_the_collective_timeout_completes(tmp_path):
     cfg["parallelism"] = {"process_group_timeout_s": timeout_s}
     cfg_path.write_text(helpers.yaml.safe_dump(cfg))
     env = helpers.child_env(TESTS, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "lit_moe.cli", "fit", "--config", str(cfg_path), *FLAGS, "--trainer.accelerator",
-                           "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=helpers.scaled(360))
+    proc = helpers.torchrun(2, ["-m", "lit_moe.cli", "fit", "--config", str(cfg_path), *FLAGS,
+                                "--trainer.accelerator", "cpu"], cwd=tmp_path, env=env, timeout=360)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert tracker(tmp_path / "ckpt") == "2"
 

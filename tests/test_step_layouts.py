@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_parallel_numerics import SEQ, VOCAB, model_section  # noqa: E402
-from helpers import scaled, selected_layouts  # noqa: E402
+from helpers import selected_layouts, torchrun  # noqa: E402
 
 STEPS = 3
 GLOBAL = 8
@@ -319,11 +318,10 @@ def worker_main(names: list[str], out_dir: str) -> None:
 def launch(world: int, names: list[str], out_dir: Path, timeout: int = 900) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--worker", str(out_dir), *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout), cwd=str(ROOT))
+    proc = torchrun(world, [str(Path(__file__).resolve()), "--worker", str(out_dir), *names], cwd=ROOT, env=env,
+                    timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"workers failed ({proc.returncode}):\n{proc.stdout[-9000:]}")
 
 
 @pytest.fixture(scope="module")
