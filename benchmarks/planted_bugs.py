@@ -516,6 +516,17 @@ BUGS: list[Bug] = [
     Bug("run_shape_step_is_the_configured_global_batch", "data sampling", "lit_moe/strategies/run_shape.py",
         "return self.accumulation * self.samples_per_micro_batch", "return self.global_batch_size",
         ("tests/test_plan.py", "-k", "run_shape")),
+    # the run resolved once (issue 29 item 1): the strategy or parallelize deriving again, or the
+    # resolved run without the recompute plan (a run would then recompute nothing, unnoticed)
+    Bug("strategy_rederives_the_run_dims", "run resolution", "lit_moe/strategies/strategy.py",
+        "if self.run_shape is not None:   # validated by check_layout", "if False:   # validated by check_layout",
+        ("tests/test_plan.py", "-k", "resolved_once")),
+    Bug("parallelize_rederives_the_run_steps", "run resolution", "lit_moe/strategies/parallelize.py",
+        "        return run.dispatcher, run.recompute\n", "        pass\n",
+        ("tests/test_plan.py", "-k", "resolved_once")),
+    Bug("run_shape_without_the_recompute_plan", "run resolution", "lit_moe/strategies/plan.py",
+        "pipeline=layout, recompute=recompute_plan,", "pipeline=layout, recompute=None,",
+        ("tests/test_plan.py", "-k", "resolved_once")),
     Bug("ramp_pipeline_keeps_its_first_schedule", "batch ramp-up", "lit_moe/pipeline/runner.py",
         "if self.runner is None or self.runner.accumulation_steps != A:", "if self.runner is None:",
         ("tests/test_rampup.py", "-k", "pp2"), timeout=1500.0),

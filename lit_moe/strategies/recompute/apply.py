@@ -57,9 +57,11 @@ def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_sel
     return checkpointed, [p for p in selected if paths[p][1] is not None] + comm
 
 
-def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
-                    recompute_comm: RecomputeCommConfig | dict | None, parallel_dims: Any = None) -> RecomputePlan:
-    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place; returns the plan
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None = None,
+                    recompute_comm: RecomputeCommConfig | dict | None = None, parallel_dims: Any = None,
+                    plan: RecomputePlan | None = None) -> RecomputePlan:
+    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place, or the ``plan``
+    already validated from them (a run's, :func:`validate_recompute`'s); returns the plan
     (FSDP asks it which layers re-gather their parameters: :func:`fsdp_reshard_after_forward`).
 
     Call it after tensor/expert/context parallel and before FSDP. Calling it again with the same
@@ -68,7 +70,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     the strategy's convenience; recompute behaves the same on one device and on many.
     """
     blocks = list(model.blocks())
-    plan = validate_recompute(recompute, recompute_comm, len(blocks))
+    if plan is None:
+        plan = validate_recompute(recompute, recompute_comm, len(blocks))
     applied = _APPLIED.get(model)
     if applied is not None:
         if applied[0] == plan:
