@@ -290,7 +290,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.optim.schedules import build_lr_lambda
     from lit_moe.config import check_not_yet_sections, no_effect_notes
     from lit_moe.runtime.device_speed import available_accelerator, print_note, resolve_model_section
-    from lit_moe.strategies import AscendFSDPStrategy, ParallelDims
+    from lit_moe.strategies import AscendFSDPStrategy
     from lit_moe.strategies.plan import check_layout
 
     run = Run(cfg)
@@ -334,23 +334,23 @@ def build_run(cfg: Any) -> Run:
     run.launch = _launch_world(trainer_section, set(_explicit_trainer_keys()))
     world_size = run.launch.world_size
     gas = cfg.get("gradient_accumulation_steps")
+    global_batch_of = None
     if gas is not None:
         from lit_moe.tools.convert_config import global_batch_from_accumulation
 
-        data_parallel = ParallelDims.from_config(parallelism, world_size).dp
-        training.global_batch_size = global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
+        def global_batch_of(data_parallel: int) -> int:
+            return global_batch_from_accumulation(gas, data_parallel, training.local_batch_size)
+    # the run resolved once: layout, batch, pipeline stages, recompute plan, dispatcher
+    shape = check_layout(parallelism, training, model_config, seq_length, world_size, recompute, recompute_comm,
+                         global_batch_of=global_batch_of)
+    if gas is not None:
         print(f"lit_moe: gradient_accumulation_steps={gas} → training.global_batch_size="
               f"{training.global_batch_size} (set global_batch_size in pynative.yaml instead)", file=sys.stderr)
-    shape = check_layout(parallelism, training, model_config, seq_length, world_size)
     dims = shape.dims
     check_not_yet_sections(swap, recompute, cfg)
     for line in no_effect_notes({"checkpoint": checkpoint, "parallelism": parallelism, "train_dataset": train_dataset,
                                  "profiler": profiler, "context": build_section(ContextConfig, context, "context")}, cfg):
         print_note(line)
-
-    from lit_moe.strategies.recompute import validate_recompute
-
-    validate_recompute(recompute, recompute_comm, model_config.total_layers)
 
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section, dims, cfg.get("lora_config"))
@@ -374,8 +374,7 @@ def build_run(cfg: Any) -> Run:
     from lit_moe.strategies.plan import check_fits
 
     local_processes = run.launch.devices
-    check_fits(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, accelerator,
-               local_processes)
+    check_fits(model_config, shape, parallelism, optimizer_section, accelerator, local_processes)
 
     # Everything is valid: seed and build.
     pl.seed_everything(training.seed, workers=True, verbose=False)
@@ -402,10 +401,9 @@ def build_run(cfg: Any) -> Run:
     fp32_grads = optimizer_section.get("accumulate_allreduce_grads_in_fp32", True)
     if not isinstance(fp32_grads, bool):
         raise ConfigError(f"optimizer.accumulate_allreduce_grads_in_fp32: expected true or false, got {fp32_grads!r}")
-    run.strategy = AscendFSDPStrategy(parallelism=parallelism, recompute=recompute,
-                                      recompute_comm=recompute_comm, model_config=model_config,
+    run.strategy = AscendFSDPStrategy(parallelism=parallelism, model_config=model_config,
                                       accumulate_allreduce_grads_in_fp32=fp32_grads, checkpoint=checkpoint,
-                                      expected_world_size=world_size)
+                                      expected_world_size=world_size, run_shape=shape)
 
     from lit_moe.callbacks import build_callbacks, build_logger, load_callbacks, merge_callbacks
 

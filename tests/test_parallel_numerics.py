@@ -209,6 +209,10 @@ def run_layout(name: str) -> dict:
                    sync_every_micro=spec["sync"], count_group=dims.mesh("dp_cp").get_group(), docs=spec["docs"])
     result["memory"] = memory_report(model, dims)
     result["memory"]["optimizer"] = result.pop("optimizer_state_bytes")
+    # the layers whose router all-gather recompute_comm recomputes: the step's recompute slot is filled
+    result["comm_recomputed"] = [i for i, b in enumerate(model.blocks())
+                                 if getattr(getattr(getattr(b.mlp, "router", None), "all_gather", None),
+                                            "recompute", None) is not None]
     if dims.ep > 1:
         import torch.distributed as dist
 
@@ -396,6 +400,8 @@ def test_layout_matches_single_process(name, layout_results, references):
     assert ref["loss"][0] != ref["loss"][-1]
     # fp32 master weights, gradients and optimizer state
     assert got["param_dtypes"] == got["grad_dtypes"] == got["optimizer_state_dtypes"] == ["torch.float32"]
+    # recompute_comm's router all-gather (tensor parallel's step) in the MoE layers of 1-3
+    assert got["comm_recomputed"] == ([1, 2, 3] if spec["recompute"] else []), name
 
 
 def test_experts_without_tokens(layout_results):

@@ -195,10 +195,10 @@ def test_fit_memory_check_uses_the_exact_bytes_of_the_most_loaded_rank(tmp_path)
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import tiny_config
 
-    from lit_moe.config import ConfigError, ParallelismConfig
+    from lit_moe.config import ConfigError, ParallelismConfig, TrainingConfig
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
     from lit_moe.strategies.parallel_dims import ParallelDims
-    from lit_moe.strategies.plan import _fmt_bytes, check_fits, most_loaded_rank
+    from lit_moe.strategies.plan import _fmt_bytes, check_fits, check_layout, most_loaded_rank
 
     model_config = DeepseekV3Config(**tiny_config(tmp_path)["model"])
     with torch.device("meta"):
@@ -225,14 +225,16 @@ def test_fit_memory_check_uses_the_exact_bytes_of_the_most_loaded_rank(tmp_path)
         assert want >= lower
         limit = (lower + want) // 2 if want > lower else want - 1
         refused_only_now += want > lower
+        run = check_layout(parallelism, TrainingConfig(local_batch_size=1, global_batch_size=2 * world), model_config,
+                           model_config.seq_length, world)
         with pytest.raises(ConfigError) as err:
-            check_fits(model_config, dims, parallelism, None, None, None, "cpu", 1, memory=(limit, "test limit"))
+            check_fits(model_config, run, parallelism, None, "cpu", 1, memory=(limit, "test limit"))
         line = str(err.value)
         assert "\n" not in line
         assert f"{who} of {world} needs {_fmt_bytes(want)}" in line and f"has {_fmt_bytes(limit)} (test limit)" in line
         for remedy in ("more ranks", "recompute", "training.local_batch_size"):
             assert remedy in line
-        check_fits(model_config, dims, parallelism, None, None, None, "cpu", 1, memory=(want, "test limit"))
+        check_fits(model_config, run, parallelism, None, "cpu", 1, memory=(want, "test limit"))
     assert refused_only_now == 2       # HSDP and the pipeline: the old lower bound let them through
 
 
@@ -515,3 +517,39 @@ def test_the_run_shape_counts_the_samples_a_step_consumes(tmp_path):
     assert (ramp.accumulation, ramp.samples_per_step, ramp.dropped) == (4, 8, 0)
     assert [ramp.samples_of_step_at(c) for c in (0, 9, 10, 19, 20, 21)] == [4, 4, 6, 6, 8, 8]
     assert [ramp.accumulation_at(c) for c in (0, 12, 30)] == [2, 3, 4]
+
+
+def test_the_run_is_resolved_once(tmp_path, monkeypatch):
+    """``check_layout``'s RunShape holds the pipeline layout, the recompute plan and the dispatcher; a
+    strategy given it re-derives nothing (its ParallelDims are the run's, ``parallelize`` applies the
+    run's plan): here every derivation raises once the run is resolved."""
+    from helpers import tiny_config
+
+    from lit_moe.config import ParallelismConfig, RecomputeConfig, TrainingConfig
+    from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
+    from lit_moe.pipeline import PipelineLayout
+    from lit_moe.strategies import AscendFSDPStrategy, recompute as recompute_pkg
+    from lit_moe.strategies.parallel_dims import ParallelDims
+    from lit_moe.strategies.plan import check_layout
+    from lit_moe.strategies.recompute.hooks import regions
+
+    model_config = DeepseekV3Config(**tiny_config(tmp_path)["model"])
+    training = TrainingConfig(local_batch_size=1, global_batch_size=4)
+    piped = check_layout(ParallelismConfig(pipeline_parallel=2), training, model_config, 32, 2)
+    assert piped.pipeline == PipelineLayout(2, 1, "1f1b", ((0, 1), (1, 2))) and piped.recompute is None
+    shape = check_layout(ParallelismConfig(moe_token_dispatcher_type="allgather"), training, model_config, 32, 1,
+                         RecomputeConfig(mode="full", full_recompute_layer=[1]), None)
+    assert shape.pipeline is None and shape.recompute.full_layers == (1,) and shape.dispatcher == "allgather"
+
+    def derived(*args, **kwargs):
+        raise AssertionError("derived again")
+
+    for owner, name in ((ParallelDims, "from_config"), (ParallelDims, "validate_model"),
+                        (PipelineLayout, "from_config"), (recompute_pkg, "validate_recompute")):
+        monkeypatch.setattr(owner, name, derived)
+    strategy = AscendFSDPStrategy(parallelism=ParallelismConfig(), model_config=model_config, run_shape=shape,
+                                  recompute=RecomputeConfig(mode="full", full_recompute_layer=[0]))
+    assert strategy.parallel_dims is shape.dims
+    with torch.device("meta"):
+        model = strategy.parallelize(DeepseekV3ForCausalLM(model_config))
+    assert [bool(regions(block)) for block in model.blocks()] == [False, True, False]   # the run's plan

@@ -18,6 +18,7 @@ import yaml
 from torch import nn
 
 from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
+from lit_moe.strategies.comm import CommStep
 from lit_moe.strategies.recompute import (
     FSDP_ALL_GATHER, RecomputeWarning, addressable_paths, apply_recompute, fsdp_reshard_after_forward,
     remove_recompute, validate_recompute)
@@ -56,8 +57,9 @@ class Attention(nn.Module):
         super().__init__()
         self.q_proj = nn.Linear(h, 2 * h, bias=False)
         self.o_proj = nn.Linear(2 * h, h, bias=False)
-        self.all_gather = fake_all_gather  # a communication step, addressable as self_attention.all_gather
-        self._private = fake_all_gather    # underscore attributes are not addressable
+        self.all_gather = CommStep(fake_all_gather)  # a communication step, addressable as self_attention.all_gather
+        self._private = CommStep(fake_all_gather)    # underscore attributes are not addressable
+        self.plain = fake_all_gather                 # nor plain functions (recompute could only rebind them)
 
     def forward(self, x):
         s = x.shape[1]
@@ -255,7 +257,7 @@ def test_addressable_paths_are_modules_and_public_callables():
     assert paths["self_attention"] == (layer.self_attention, None)
     assert paths["self_attention.q_proj"] == (layer.self_attention.q_proj, None)
     assert paths["self_attention.all_gather"] == (layer.self_attention, "all_gather")
-    assert "self_attention._private" not in paths and "self_attention.forward" not in paths
+    assert not {"self_attention._private", "self_attention.plain", "self_attention.forward"} & set(paths)
     assert "mlp.router" in paths and "mlp.tokens_per_expert" not in paths and "mlp.w1" not in paths
     depths = [p.count(".") for p in paths]
     assert depths == sorted(depths)
@@ -304,9 +306,10 @@ def test_apply_is_idempotent_and_removable():
     remove_recompute(model)
     assert not any(regions(m) or m._forward_hooks for b in model.blocks() for m in b.modules())
     apply_recompute(model, None, {"enable": True, "select_module": {"self_attention.all_gather": [0]}})
-    assert type(model.layers[0].self_attention.all_gather).__name__ == "_OutputRecomputed"
+    step = model.layers[0].self_attention.all_gather
+    assert type(step.recompute).__name__ == "_OutputRecomputed" and step.recompute.call is fake_all_gather
     remove_recompute(model)
-    assert model.layers[0].self_attention.all_gather is fake_all_gather
+    assert model.layers[0].self_attention.all_gather is step and step.recompute is None and step.fn is fake_all_gather
     assert not regions(model.layers[0]) and not model.layers[0]._forward_hooks
 
 
@@ -441,9 +444,9 @@ def test_comm_inside_recomputed_region_is_not_wrapped_twice():
     model = make()
     apply_recompute(model, {"mode": "select", "full_recompute_layer": [0], "select_module": {"self_attention": [1]}},
                     COMM)
-    assert type(model.layers[0].self_attention.all_gather).__name__ == "function"
-    assert type(model.layers[1].self_attention.all_gather).__name__ == "function"
-    assert type(model.layers[2].self_attention.all_gather).__name__ == "_OutputRecomputed"
+    assert model.layers[0].self_attention.all_gather.recompute is None
+    assert model.layers[1].self_attention.all_gather.recompute is None
+    assert type(model.layers[2].self_attention.all_gather.recompute).__name__ == "_OutputRecomputed"
     CALLS.clear()
     assert_same(ref, step(model, batch))
     assert CALLS["gather"] == 8  # layers 0, 1: checkpoint re-run; layers 2, 3: output recompute
@@ -467,7 +470,7 @@ def test_comm_recompute_detects_inplace_change_of_input():
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
-            self.all_gather = fake_all_gather
+            self.all_gather = CommStep(fake_all_gather)
 
         def forward(self, x):
             x = x * 1.0
@@ -603,11 +606,11 @@ def test_output_recompute_replays_random_numbers():
     def run(recompute_comm, preserve=True):
         model = make()
         for layer in model.blocks():
-            layer.self_attention.all_gather = noisy_gather
+            layer.self_attention.all_gather = CommStep(noisy_gather)
         apply_recompute(model, None, recompute_comm)
         if not preserve:  # what would happen without the replay
             for layer in model.blocks():
-                layer.self_attention.all_gather.preserve_rng_state = False
+                layer.self_attention.all_gather.recompute.preserve_rng_state = False
         torch.manual_seed(3)
         return step(model, ids())
 

@@ -36,8 +36,8 @@ class SPAttention(nn.Module):
 
         self.q_proj = nn.Linear(h, 2 * h // WORLD, bias=False)  # local column shard
         self.o_proj = nn.Linear(2 * h // WORLD, h, bias=False)  # local row shard
-        self.all_gather = functools.partial(counted, comm.all_gather, group=group, dim=1)
-        self.reduce_scatter = functools.partial(comm.reduce_scatter, group=group, dim=1)
+        self.all_gather = comm.CommStep(functools.partial(counted, comm.all_gather, group=group, dim=1))
+        self.reduce_scatter = comm.CommStep(functools.partial(comm.reduce_scatter, group=group, dim=1))
 
     def forward(self, x):
         # gelu saves its input, q_proj's output
@@ -104,6 +104,8 @@ def worker(rank: int, store_file: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from lit_moe.strategies.comm import CommStep
+
     mesh = init_device_mesh("cpu", (WORLD,))
 
     def gather_dt(t):
@@ -115,7 +117,7 @@ def worker(rank: int, store_file: str):
             super().__init__()
             torch.manual_seed(7)  # replicated weight: the same on both ranks
             self.w = nn.Parameter(DTensor.from_local(torch.randn(h, h) * 0.3, mesh, [Replicate()]))
-            self.all_gather = gather_dt
+            self.all_gather = CommStep(gather_dt)
 
         def forward(self, t):
             return torch.tanh(self.all_gather(t) @ self.w).redistribute(mesh, [Shard(1)])
@@ -154,8 +156,8 @@ def worker(rank: int, store_file: str):
         torch.manual_seed(100)  # same full weights on both ranks; FSDP shards them
         model = Model(h, group)
         for layer in model.layers:  # plain replicated layers here: no tensor parallel collectives
-            layer.self_attention.all_gather = lambda t: t
-            layer.self_attention.reduce_scatter = lambda t: t
+            layer.self_attention.all_gather = CommStep(lambda t: t)
+            layer.self_attention.reduce_scatter = CommStep(lambda t: t)
         apply_recompute(model, recompute, recompute_comm)
         for layer in model.layers:
             if shard_inner:

@@ -145,15 +145,18 @@ def check_zero_bubble_reshard(parallelism: Any, schedule: str, stage_ranks: int)
 
 
 def check_pipeline_run(parallelism: Any, model_config: Any, accumulation_steps: int, global_batch_size: Any,
-                       stage_ranks: int = 1) -> None:
+                       stage_ranks: int = 1, layout: Optional[PipelineLayout] = None) -> PipelineLayout:
     """Before launching: the layout is valid for the model and A micro-batches fill the schedule
     (MindFormers writes A into ``pipeline_parallel_microbatch_size``); ``stage_ranks``: the ranks of
-    each stage (world size / pipeline_parallel)."""
-    layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+    each stage (world size / pipeline_parallel). Returns the layout (``layout``: the one already built
+    from ``parallelism``)."""
+    if layout is None:
+        layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
     layout.check_microbatches(accumulation_steps, global_batch_size)
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
     mtp = getattr(model_config, "num_nextn_predict_layers", 0) or 0
     check_shared_embedding(layout, mtp, stage_ranks)
+    return layout
 
 
 def check_shared_embedding(layout: "PipelineLayout", mtp: int, stage_ranks: int) -> None:

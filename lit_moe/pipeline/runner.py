@@ -132,12 +132,13 @@ class PipelineParallel:
 
     @classmethod
     def build(cls, model: DeepseekV3ForCausalLM, dims, parallelism: Any, recompute: Any = None,
-              recompute_comm: Any = None, model_config: Any = None, reduce_in_fp32: bool = True
+              recompute_comm: Any = None, model_config: Any = None, reduce_in_fp32: bool = True, run: Any = None
               ) -> "PipelineParallel":
+        """``run``: the run's resolved :class:`~lit_moe.strategies.run_shape.RunShape`, whose layout applies."""
         config = model_config if model_config is not None else model.config
-        layout = PipelineLayout.from_config(parallelism, config.num_hidden_layers)
+        layout = run.pipeline if run is not None else PipelineLayout.from_config(parallelism, config.num_hidden_layers)
         container, parts = parallelize_pipeline(model, dims, layout, parallelism, recompute, recompute_comm,
-                                                config, reduce_in_fp32)
+                                                config, reduce_in_fp32, run=run)
         rest = dims.world_size // dims.pp   # the world mesh is [pp, everything else], row-major
         pipelines = [[p * rest + j for p in range(dims.pp)] for j in range(rest)]
         group = embedding_group(layout, pipelines, config.num_nextn_predict_layers > 0, dims.collective_timeout)

@@ -146,20 +146,18 @@ def split_model(model: DeepseekV3ForCausalLM, layout: PipelineLayout, pp_rank: i
 
 def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLayout, parallelism: Any = None,
                          recompute: Any = None, recompute_comm: Any = None, model_config: Any = None,
-                         reduce_in_fp32: bool = True) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
+                         reduce_in_fp32: bool = True, run: Any = None) -> tuple[DeepseekV3Stage, list[DeepseekV3Stage]]:
     """Tensor, expert and context parallelism and recompute on the whole (meta) model, so layer ids
     and module paths stay global; then this rank's stages, each its own FSDP2 root on the stage's
-    dense and expert meshes (when a stage has more than one rank). Returns :func:`split_model`'s (container, stage modules)."""
+    dense and expert meshes (when a stage has more than one rank). Returns :func:`split_model`'s (container, stage modules).
+    ``run``: the run's resolved :class:`~lit_moe.strategies.run_shape.RunShape` (as in ``parallelize``)."""
     from lit_moe.config import ParallelismConfig
-    from lit_moe.strategies.expert_parallel import resolve_dispatcher
     from lit_moe.strategies.parallelize import (apply_compile, apply_cp, apply_ep, apply_fsdp, apply_recompute_step,
-                                                apply_tp)
+                                                apply_tp, resolved_steps)
 
     parallelism = parallelism if parallelism is not None else ParallelismConfig()
     config = model_config if model_config is not None else model.config
-    dims.validate_model(config)
-    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
-                                    getattr(config, "moe_token_dispatcher_type", None))
+    dispatcher, recompute_plan = resolved_steps(dims, parallelism, config, recompute, recompute_comm, run)
     stage_ranks = dims.world_size // dims.pp
     check_zero_bubble_reshard(parallelism, layout.schedule, stage_ranks)
     zero_bubble_fsdp = layout.schedule in SPLIT_BACKWARD and stage_ranks > 1
@@ -170,7 +168,7 @@ def parallelize_pipeline(model: DeepseekV3ForCausalLM, dims, layout: PipelineLay
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
-    plan = apply_recompute_step(model, recompute, recompute_comm, dims)
+    plan = apply_recompute_step(model, recompute_plan)
     container, parts = split_model(model, layout, dims.mesh("pp").get_local_rank(), stage_ranks)
     # One rank per stage shards nothing and reduces nothing: like one process, no FSDP.
     if stage_ranks > 1:

@@ -5,13 +5,13 @@ DTensors (so checkpoints and gradient norms see their global layout) but the mat
 tensors. Each function is the forward of an ``autograd.Function`` whose backward is the adjoint
 collective: all-gather ↔ reduce-scatter, all-to-all ↔ the reverse all-to-all.
 
-They are exposed to modules as plain callables (``functools.partial``) so that ``recompute_comm``
-can address them by name, e.g. ``mlp.router.all_gather``.
+They are exposed to modules as :class:`CommStep` attributes so that ``recompute_comm`` can address
+them by name, e.g. ``mlp.router.all_gather``, and recompute their output through the step's own slot.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,27 @@ def _all_gather_single(out: torch.Tensor, src: torch.Tensor, group) -> None:
 def _reduce_scatter_single(out: torch.Tensor, src: torch.Tensor, group) -> None:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, src, op=dist.ReduceOp.SUM, group=group)
+
+
+class CommStep:
+    """A parallel step's communication function as a module attribute (``block.all_gather``,
+    ``mlp.router.all_gather``, ``core_attention.all_to_all``): set once by the parallel step, called as
+    ``module.all_gather(x)``, selected by its path in ``recompute_comm`` / ``recompute.select_module``.
+
+    ``recompute`` is the slot recompute fills with the call's output recompute (a wrapper of
+    :attr:`fn`); None: :attr:`fn` runs as it is. Nothing on the module is replaced."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.recompute: Optional[Callable[..., Any]] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.recompute is not None:
+            return self.recompute(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CommStep({self.fn!r}" + (f", recompute={self.recompute!r})" if self.recompute is not None else ")")
 
 
 def _size(group: dist.ProcessGroup) -> int:

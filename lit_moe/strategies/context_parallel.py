@@ -200,9 +200,9 @@ class ContextParallelAttention:
         # the communication steps are the core's attributes, called through it, so that recompute_comm
         # selects them by path ('self_attention.core_attention.all_gather') and can wrap them
         if self.groups > 1:
-            core.all_gather = functools.partial(comm.all_gather, group=ring_group, dim=2)
+            core.all_gather = comm.CommStep(functools.partial(comm.all_gather, group=ring_group, dim=2))
         if u > 1:
-            core.all_to_all = functools.partial(comm.all_to_all_dims, group=ulysses_group)
+            core.all_to_all = comm.CommStep(functools.partial(comm.all_to_all_dims, group=ulysses_group))
         first = (cp_rank // u) * u
         # chunk ids along the sequence dim: of the queries after the all-to-all, of the gathered keys
         self.query_chunks = _chunks_of((r, cp) for r in range(first, first + u))

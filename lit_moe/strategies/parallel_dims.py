@@ -478,7 +478,8 @@ def check_parallelism_keys(p: Any) -> None:
 
 
 def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None:
-    """The ``parallelism`` rules that need the world size or the model."""
+    """The ``parallelism`` rules that need the world size or the model (the pipeline's stages, schedule
+    and micro-batch count: :func:`lit_moe.pipeline.check_pipeline_run`)."""
     k = p.dense_fsdp_shard_size
     if k is not None:
         F = dims.dp_shard * dims.cp
@@ -511,8 +512,6 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
                 f"model.dsa_indexer_loss_coeff: {model_config.dsa_indexer_loss_coeff} (DeepSeek-V3.2's indexer loss) "
                 f"is not implemented with context_parallel_method {p.context_parallel_method!r}; use 'colossal' or "
                 "set it to 0")
-    if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.pipeline.check_pipeline_run)
-        pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
 
 def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float], Optional[float]]:

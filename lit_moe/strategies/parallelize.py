@@ -53,14 +53,33 @@ def apply_cp(model: nn.Module, dims, parallelism: ParallelismConfig) -> None:
         apply_context_parallel(model, dims, parallelism)
 
 
-def apply_recompute_step(model: nn.Module, recompute, recompute_comm, dims):
-    """The recompute plan applied to ``model`` (None without recompute sections); FSDP asks it which
-    layers re-gather their parameters."""
+def resolved_steps(dims, parallelism: ParallelismConfig, config: Any, recompute=None, recompute_comm=None,
+                   run: Any = None) -> tuple[str, Any]:
+    """``(dispatcher, recompute plan)`` of the parallel steps: a run's, resolved once with its layout
+    (``run``: the :class:`~lit_moe.strategies.run_shape.RunShape` ``check_layout`` built), or without
+    one (a model parallelized on its own: tests, ``lit_moe plan``'s counts) the layout checked against
+    the model here and both derived from the sections. The plan is None without recompute sections."""
+    if run is not None:
+        return run.dispatcher, run.recompute
+    from lit_moe.strategies.expert_parallel import resolve_dispatcher
+    from lit_moe.strategies.recompute import validate_recompute
+
+    dims.validate_model(config)
+    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
+                                    getattr(config, "moe_token_dispatcher_type", None))
     if recompute is None and recompute_comm is None:
+        return dispatcher, None
+    return dispatcher, validate_recompute(recompute, recompute_comm, config.total_layers)
+
+
+def apply_recompute_step(model: nn.Module, plan):
+    """The recompute ``plan`` applied to ``model`` (nothing when None); FSDP asks it which layers
+    re-gather their parameters."""
+    if plan is None:
         return None
     from lit_moe.strategies.recompute import apply_recompute
 
-    return apply_recompute(model, recompute, recompute_comm, dims)
+    return apply_recompute(model, plan=plan)
 
 
 def mixed_precision(config: Any, reduce_in_fp32: bool):
@@ -187,23 +206,22 @@ def parallelize(
     model_config: Any = None,
     reduce_in_fp32: bool = True,
     force_fsdp: bool = False,
+    run: Any = None,
 ) -> nn.Module:
     """Apply the run's parallelism to ``model`` in place (normally on the meta device) and return it.
 
     ``dims`` must have its meshes built (:meth:`ParallelDims.build_meshes`) unless ``world_size == 1``
-    and nothing but recompute applies."""
-    from lit_moe.strategies.expert_parallel import resolve_dispatcher
-
+    and nothing but recompute applies. ``run``: the run's resolved
+    :class:`~lit_moe.strategies.run_shape.RunShape`, whose dispatcher and recompute plan apply
+    (:func:`resolved_steps`; the ``recompute`` sections are then not read)."""
     parallelism = parallelism if parallelism is not None else ParallelismConfig()
     config = model_config if model_config is not None else model.config
-    dims.validate_model(config)
-    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
-                                    getattr(config, "moe_token_dispatcher_type", None))
+    dispatcher, recompute_plan = resolved_steps(dims, parallelism, config, recompute, recompute_comm, run)
 
     apply_tp(model, dims)
     apply_ep(model, dims, dispatcher)
     apply_cp(model, dims, parallelism)
-    plan = apply_recompute_step(model, recompute, recompute_comm, dims)
+    plan = apply_recompute_step(model, recompute_plan)
     if force_fsdp or needs_fsdp(dims):
         if not dims.meshes:
             raise RuntimeError("parallelize: FSDP needs device meshes; call ParallelDims.build_meshes() first")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -129,31 +129,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_layout(parallelism: ParallelismConfig, training: TrainingConfig, model_config: Any, seq_length: int,
-                 world_size: int) -> RunShape:
-    """The :class:`RunShape` of a run (its ParallelDims, accumulation steps, samples per step, ramp-up),
-    after every check of the layout against the model and the batch: the one validation and the one
-    resolution ``lit_moe fit`` and ``lit_moe plan`` share, so that plan refuses what fit refuses and
-    both read the same numbers."""
+                 world_size: int, recompute: Any = None, recompute_comm: Any = None,
+                 global_batch_of: Optional[Callable[[int], int]] = None) -> RunShape:
+    """The :class:`RunShape` of a run (its ParallelDims, accumulation steps, samples per step, ramp-up,
+    pipeline layout, recompute plan and MoE dispatcher), after every check of the layout against the
+    model and the batch: the one validation and the one resolution ``lit_moe fit`` and ``lit_moe plan``
+    share, so that plan refuses what fit refuses and both read the same numbers.
+    ``global_batch_of``: ``training.global_batch_size`` as a function of the data-parallel degree
+    (graph mode's ``gradient_accumulation_steps``: A x data_parallel x local_batch_size)."""
+    from lit_moe.strategies.expert_parallel import resolve_dispatcher
     from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout, check_parallelism_keys
+    from lit_moe.strategies.recompute import validate_recompute
     from lit_moe.optim.schedules import RAMPUP_KEY, batch_ramp
-    from lit_moe.pipeline import PipelineLayout, check_pipeline_run
+    from lit_moe.pipeline import check_pipeline_run
     from lit_moe.strategies.strategy import check_parallelism_section
 
     check_parallelism_keys(parallelism)
     check_parallelism_section(parallelism)
     dims = ParallelDims.from_config(parallelism, world_size)
+    if global_batch_of is not None:
+        training.global_batch_size = global_batch_of(dims.dp)
     dims.validate_model(model_config, seq_length)
     check_parallel_layout(parallelism, dims, model_config)
     accumulation = dims.accumulation_steps(training.global_batch_size, training.local_batch_size)
     ramp = batch_ramp(training, dims.dp)
+    layout = None
     if dims.pp > 1:
-        check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size,
-                           stage_ranks=dims.world_size // dims.pp)
+        layout = check_pipeline_run(parallelism, model_config, accumulation, training.global_batch_size,
+                                    stage_ranks=dims.world_size // dims.pp)
         if ramp is not None:   # every level of the ramp runs the schedule with its own micro-batch count
-            layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
             for level in ramp.levels()[:-1]:
                 layout.check_microbatches(level // ramp.samples_per_micro_batch, level, field=RAMPUP_KEY)
-    return RunShape(dims, training.global_batch_size, training.local_batch_size, accumulation, seq_length, ramp)
+    dispatcher = resolve_dispatcher(parallelism.moe_token_dispatcher_type,
+                                    getattr(model_config, "moe_token_dispatcher_type", None))
+    recompute_plan = (None if recompute is None and recompute_comm is None
+                      else validate_recompute(recompute, recompute_comm, model_config.total_layers))
+    return RunShape(dims, training.global_batch_size, training.local_batch_size, accumulation, seq_length, ramp,
+                    pipeline=layout, recompute=recompute_plan, dispatcher=dispatcher)
 
 
 def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[tuple[str, str]]] = None,
@@ -189,7 +201,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     model_config = DeepseekV3Config(**model_section)
     seq_length = _seq_length(data, model_config)
 
-    shape = check_layout(parallelism, training, model_config, seq_length, world_size)
+    shape = check_layout(parallelism, training, model_config, seq_length, world_size, recompute, recompute_comm)
     dims, accumulation = shape.dims, shape.accumulation
 
     from lit_moe.model import sizing
@@ -197,7 +209,7 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     counts = sizing.param_counts(model_config)
     flops = sizing.flops_per_token(model_config, seq_length)
 
-    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section)
+    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, shape)
 
     total = _count(counts, "total")
     active = _count(counts, "active")
@@ -257,9 +269,9 @@ def plan(config_path: Any, world_size: int, out=None, overrides: Optional[list[t
     p(f"  total (without activations{', all stages' if dims.pp > 1 else ''}): "
       f"{_fmt_bytes(state_bytes(mem, parallelism))}", file=out)
     if dims.pp > 1:
-        from lit_moe.pipeline import PipelineLayout, plan_stages
+        from lit_moe.pipeline import plan_stages
 
-        layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+        layout = shape.pipeline
         p("pipeline (the memory above is of the whole model; each pipeline rank holds its stages' part)", file=out)
         for line in plan_stages(layout, mem["params_by_name"], model_config.num_hidden_layers,
                                 model_config.num_nextn_predict_layers > 0, accumulation):
@@ -321,11 +333,13 @@ def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation
 
 
 def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,
-                   recompute_comm: Any = None, optimizer_section: Optional[dict] = None) -> dict[str, int]:
+                   recompute_comm: Any = None, optimizer_section: Optional[dict] = None,
+                   run: Optional[RunShape] = None) -> dict[str, int]:
     """:func:`local_bytes` of rank 0 of the run: the model is built on the meta device and, with more
     than one rank, parallelized on a fake process group exactly as the run would do it. With
     pipeline stages, ``pipeline_ranks`` holds :func:`local_bytes` of each pipeline rank's stages
-    (the numbers above are of the whole model's layers under this layout)."""
+    (the numbers above are of the whole model's layers under this layout). ``run``: the run's
+    resolved :class:`RunShape` (its ``dims``; its recompute plan and pipeline layout apply)."""
     from lit_moe.model import DeepseekV3ForCausalLM
     from lit_moe.strategies.parallelize import parallelize
 
@@ -339,13 +353,14 @@ def per_rank_bytes(model_config: Any, dims: Any, parallelism: ParallelismConfig,
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(model_config)
         model = parallelize(model, dims, parallelism, recompute=recompute, recompute_comm=recompute_comm,
-                            model_config=model_config, reduce_in_fp32=True, force_fsdp=True)
+                            model_config=model_config, reduce_in_fp32=True, force_fsdp=True, run=run)
         out = {**local_bytes(model, optimizer_section), "params_by_name": _param_bytes_by_name(model),
                "fsdp_buffers": _fsdp_buffer_bytes(model, model_config, is_zero1(parallelism))}
         if dims.pp > 1:
             from lit_moe.pipeline import PipelineLayout, parameters_of_ranks
 
-            layout = PipelineLayout.from_config(parallelism, model_config.num_hidden_layers)
+            layout = run.pipeline if run is not None else PipelineLayout.from_config(parallelism,
+                                                                                     model_config.num_hidden_layers)
             held = parameters_of_ranks(layout, out["params_by_name"], model_config.num_hidden_layers,
                                        model_config.num_nextn_predict_layers > 0)
             out["pipeline_ranks"] = [local_bytes(model, optimizer_section, names) for names in held]
@@ -418,12 +433,13 @@ def _available_ram() -> int:
 
 
 def most_loaded_rank(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any = None,
-                     recompute_comm: Any = None, optimizer_section: Optional[dict] = None) -> tuple[int, str]:
+                     recompute_comm: Any = None, optimizer_section: Optional[dict] = None,
+                     run: Optional[RunShape] = None) -> tuple[int, str]:
     """``(bytes, which rank)``: the parameters, gradients and optimizer state (:func:`state_bytes`) of
     the rank that holds the most, from the exact local shards :func:`per_rank_bytes` computes for
     ``lit_moe plan``. Rank 0 holds the most of every sharded dimension (an uneven split gives the
     first ranks the larger pieces); with pipeline stages, the pipeline rank whose stages hold the most."""
-    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section)
+    mem = per_rank_bytes(model_config, dims, parallelism, recompute, recompute_comm, optimizer_section, run)
     if "pipeline_ranks" not in mem:
         return state_bytes(mem, parallelism), "rank 0"
     per_stage = [state_bytes(m, parallelism) for m in mem["pipeline_ranks"]]
@@ -473,11 +489,11 @@ def _in_forked_child(fn: Any, args: tuple, timeout_s: float = 900.0) -> Any:
     return value
 
 
-def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, recompute: Any,
-               recompute_comm: Any, optimizer_section: Optional[dict], accelerator: str,
-               local_processes: int, memory: Optional[tuple[int, str]] = None) -> None:
+def check_fits(model_config: Any, run: RunShape, parallelism: ParallelismConfig, optimizer_section: Optional[dict],
+               accelerator: str, local_processes: int, memory: Optional[tuple[int, str]] = None) -> None:
     """Refuse, before anything is allocated, a run whose parameters, gradients and optimizer state
-    exceed the memory of one rank's device, in one line with both numbers. The bytes are those of
+    exceed the memory of one rank's device, in one line with both numbers (``run``: the run's
+    :class:`RunShape`, whose layout and recompute plan apply). The bytes are those of
     the most loaded rank (:func:`most_loaded_rank`: the exact local shards ``lit_moe plan`` computes,
     model on the meta device, several ranks on a fake process group), the same on every rank, so
     that all ranks refuse together (none is left waiting for the others). Activations are not
@@ -492,8 +508,8 @@ def check_fits(model_config: Any, dims: Any, parallelism: ParallelismConfig, rec
     of the most loaded rank's share."""
     from lit_moe.strategies.parallel_dims import ParallelDims
 
-    plan_dims = ParallelDims.from_config(parallelism, dims.world_size)
-    args = (model_config, plan_dims, parallelism, recompute, recompute_comm, optimizer_section)
+    dims = run.dims   # the fake meshes of several ranks are built on it in the forked child only
+    args = (model_config, dims, parallelism, None, None, optimizer_section, run)
     exact = True
     if dims.world_size == 1:
         need, who = most_loaded_rank(*args)

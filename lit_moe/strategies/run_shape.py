@@ -8,6 +8,12 @@ floors ``A = global_batch_size // (data_parallel · local_batch_size)`` and drop
 ``global_batch_size`` that is no multiple of it, so the configured global batch is not what a step
 consumes. The run's consumed-samples count (the DataModule's sampler position, in the step metrics,
 common.json and the auto-resume check) advances by exactly this number per step.
+
+It also holds what the layout resolves once for the run: the pipeline's
+:class:`~lit_moe.pipeline.PipelineLayout` (stages, layer split, schedule), the
+:class:`~lit_moe.strategies.recompute.RecomputePlan` of the ``recompute`` sections and the MoE token
+dispatcher. The strategy (``AscendFSDPStrategy(run_shape=...)``), ``parallelize``, the pipeline's
+build and ``check_fits`` take them from here instead of deriving them again.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class RunShape:
         accumulation: ``A``, micro-batches per optimizer step on each rank once any ramp-up is over.
         seq_length: tokens per sample.
         ramp: the run's :class:`~lit_moe.optim.schedules.BatchRamp` (None: no ramp-up).
+        pipeline: the :class:`~lit_moe.pipeline.PipelineLayout` (None: ``pipeline_parallel`` 1).
+        recompute: the :class:`~lit_moe.strategies.recompute.RecomputePlan` of the ``recompute`` and
+            ``recompute_comm`` sections (None: neither section given).
+        dispatcher: the MoE token dispatcher (``parallelism.`` and ``model.moe_token_dispatcher_type``).
     """
 
     dims: Any
@@ -35,6 +45,9 @@ class RunShape:
     accumulation: int
     seq_length: int
     ramp: Optional[Any] = None
+    pipeline: Optional[Any] = None
+    recompute: Optional[Any] = None
+    dispatcher: str = "alltoall"
 
     @property
     def samples_per_micro_batch(self) -> int:

@@ -57,6 +57,10 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
             ``load_worker_number`` from it (None: their defaults).
         expected_world_size: the world ``lit_moe fit`` sized gradient accumulation for; a launch
             that builds another stops at setup with one line (None: not checked).
+        run_shape: the run resolved once (:class:`~lit_moe.strategies.run_shape.RunShape`, built by
+            ``check_layout``): its ParallelDims, pipeline layout, recompute plan and dispatcher are
+            used as they are (``recompute`` / ``recompute_comm`` are then not read). None: derived
+            here from the sections (a strategy built on its own).
         lightning_kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``). ``timeout`` defaults to
             ``parallelism.process_group_timeout_s``.
@@ -73,6 +77,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         accumulate_allreduce_grads_in_fp32: bool = True,
         checkpoint: Optional[CheckpointConfig] = None,
         expected_world_size: Optional[int] = None,
+        run_shape: Any = None,
         **lightning_kwargs: Any,
     ) -> None:
         parallelism = build_section(ParallelismConfig, parallelism, "parallelism")
@@ -88,6 +93,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
         self.checkpoint_config = checkpoint
         self.expected_world_size = expected_world_size
+        self.run_shape = run_shape
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallelized: Optional[nn.Module] = None
         self._sync_enabled = True
@@ -132,6 +138,8 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
         release_process_groups_at_exit()
 
     def _make_parallel_dims(self, world_size: int) -> ParallelDims:
+        if self.run_shape is not None:   # validated by check_layout (setup refuses another world size first)
+            return self.run_shape.dims
         dims = ParallelDims.from_config(self.parallelism, world_size)
         if self.model_config is not None:
             dims.validate_model(self.model_config)
@@ -202,7 +210,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
             self.pipeline = PipelineParallel.build(
                 model, self.parallel_dims, self.parallelism, self.recompute, self.recompute_comm,
                 self.model_config if self.model_config is not None else getattr(model, "config", None),
-                self.accumulate_allreduce_grads_in_fp32)
+                self.accumulate_allreduce_grads_in_fp32, run=self.run_shape)
             self._parallelized = self.pipeline.container
             return self._parallelized
         model = parallelize(
@@ -213,6 +221,7 @@ class AscendFSDPStrategy(IterationResume, ModelParallelStrategy, StepStrategy):
             recompute_comm=self.recompute_comm,
             model_config=self.model_config if self.model_config is not None else getattr(model, "config", None),
             reduce_in_fp32=self.accumulate_allreduce_grads_in_fp32,
+            run=self.run_shape,
         )
         self._parallelized = model
         return model

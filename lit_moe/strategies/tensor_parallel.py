@@ -93,14 +93,14 @@ def _whole(x):
 def entry_gather(group, sequence_parallel: bool = True):
     """A tensor-parallel block's entry collective: all-gather the sequence shards (training), or
     nothing (decoding: every rank holds the whole sequence)."""
-    return functools.partial(comm.all_gather, group=group, dim=1) if sequence_parallel else _whole
+    return comm.CommStep(functools.partial(comm.all_gather, group=group, dim=1) if sequence_parallel else _whole)
 
 
 def exit_reduce(group, sequence_parallel: bool = True):
     """A tensor-parallel block's exit collective over its partial sums: reduce-scatter along the
     sequence (training), or all-reduce (decoding)."""
-    return (functools.partial(comm.reduce_scatter, group=group, dim=1) if sequence_parallel
-            else functools.partial(comm.all_reduce, group=group))
+    return comm.CommStep(functools.partial(comm.reduce_scatter, group=group, dim=1) if sequence_parallel
+                         else functools.partial(comm.all_reduce, group=group))
 
 
 def _sequence_parallel_block(block: nn.Module, group, sequence_parallel: bool = True) -> None:

@@ -9,7 +9,7 @@ the selected modules (no ``forward`` is replaced, no module is wrapped), so that
   recomputed in backward.
 * **selected module** (``recompute.select_module``, a module path such as ``self_attention``): the
   same, for one sub-module.
-* **output recompute** (``recompute.select_module`` matching a function attribute such as
+* **output recompute** (``recompute.select_module`` matching a communication step such as
   ``mlp.router.all_gather``, and every path of ``recompute_comm.select_module``): the call runs
   normally, but its *output* is not kept for backward. An op that saves the output (or a view of
   it) saves a small handle instead, and backward re-runs the call from its (kept) inputs when it
@@ -19,8 +19,9 @@ the selected modules (no ``forward`` is replaced, no module is wrapped), so that
 
 Layer ids address ``model.blocks()``: decoder layers ``0..L-1``, then the MTP layers' decoder
 layers ``L..L+M-1``. Paths are dotted module paths inside one such layer (``self_attention``,
-``self_attention.q_b_proj``, ``mlp.experts``) or a module path plus the name of a callable instance
-attribute (``mlp.router.all_gather``). A regex must match a path fully (``re.fullmatch``).
+``self_attention.q_b_proj``, ``mlp.experts``) or a module path plus the name of a communication step
+the parallel steps set on it (``mlp.router.all_gather``, a :class:`~lit_moe.strategies.comm.CommStep`,
+whose ``recompute`` slot output recompute fills). A regex must match a path fully (``re.fullmatch``).
 
 Order of application (TorchTitan): tensor/expert/context parallel first (so that their
 communication functions exist and can be matched), then this, then FSDP. Forward hooks a selected

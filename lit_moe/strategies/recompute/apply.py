@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lit_moe.config import ConfigError, RecomputeCommConfig, RecomputeConfig
+from lit_moe.strategies.comm import CommStep
 from lit_moe.model.names import no_match_error
 from lit_moe.strategies.recompute.paths import _drop_children, _match, _under, addressable_paths
 from lit_moe.strategies.recompute.plan import FSDP_ALL_GATHER, RecomputePlan, RecomputeWarning, validate_recompute
@@ -35,16 +36,17 @@ def _wrap_call(module: nn.Module, wrapper: Callable, path: str, undo: list) -> N
     undo.extend(around_call(module, wrapper(_ModuleCall(module), path)))
 
 
-def _wrap_attr(owner: nn.Module, attr: str, path: str, undo: list, wrapper: Callable) -> None:
-    fn = getattr(owner, attr)
-    undo.append((owner, attr, fn))
-    setattr(owner, attr, wrapper(fn, path))   # a parallelism's own function attribute (not the model's code)
+def _wrap_step(step: CommStep, path: str, undo: list, wrapper: Callable) -> None:
+    """``wrapper(the step's function, path)`` in a communication step's ``recompute`` slot (the step
+    consults it at each call; nothing on its module changes)."""
+    step.recompute = wrapper(step.fn, path)
+    undo.append(step)
 
 
 def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_select: dict, matched_comm: dict
                     ) -> tuple[list[str], list[str]]:
     """``(checkpointed, output_recomputed)`` paths of a layer that is not recomputed whole: the outermost
-    modules ``recompute.select_module`` selects, and the function attributes it selects plus the
+    modules ``recompute.select_module`` selects, and the communication steps it selects plus the
     communication steps of ``recompute_comm`` not already inside a checkpointed region. ``paths``:
     :func:`addressable_paths` of the layer; ``matched_*`` record which patterns hit (``lit_moe plan``
     resolves the same selection for its memory model)."""
@@ -57,9 +59,11 @@ def layer_selection(plan: RecomputePlan, layer_id: int, paths: dict, matched_sel
     return checkpointed, [p for p in selected if paths[p][1] is not None] + comm
 
 
-def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
-                    recompute_comm: RecomputeCommConfig | dict | None, parallel_dims: Any = None) -> RecomputePlan:
-    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place; returns the plan
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None = None,
+                    recompute_comm: RecomputeCommConfig | dict | None = None, parallel_dims: Any = None,
+                    plan: RecomputePlan | None = None) -> RecomputePlan:
+    """Apply ``recompute`` and ``recompute_comm`` to ``model.blocks()`` in place, or the ``plan``
+    already validated from them (a run's, :func:`validate_recompute`'s); returns the plan
     (FSDP asks it which layers re-gather their parameters: :func:`fsdp_reshard_after_forward`).
 
     Call it after tensor/expert/context parallel and before FSDP. Calling it again with the same
@@ -68,7 +72,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
     the strategy's convenience; recompute behaves the same on one device and on many.
     """
     blocks = list(model.blocks())
-    plan = validate_recompute(recompute, recompute_comm, len(blocks))
+    if plan is None:
+        plan = validate_recompute(recompute, recompute_comm, len(blocks))
     applied = _APPLIED.get(model)
     if applied is not None:
         if applied[0] == plan:
@@ -115,7 +120,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
             if attr is None:
                 _wrap_call(module, make_output_recomputed, p, undo)
             else:
-                _wrap_attr(module, attr, p, undo, make_output_recomputed)
+                _wrap_step(vars(module)[attr], p, undo, make_output_recomputed)
         if output_recomputed:
             _wrap_call(block, _LayerScope, f"layers[{layer_id}]", undo)
         if checkpointed or output_recomputed:
@@ -140,7 +145,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig | dict | None,
 
 
 def remove_recompute(model: nn.Module) -> None:
-    """Undo :func:`apply_recompute` (removes its hooks, restores every wrapped function attribute)."""
+    """Undo :func:`apply_recompute` (removes its hooks, empties every communication step's recompute slot)."""
     applied = _APPLIED.pop(model, None)
     if applied is None:
         return
@@ -148,8 +153,7 @@ def remove_recompute(model: nn.Module) -> None:
         if isinstance(entry, RemovableHandle):
             entry.remove()
         else:
-            owner, attr, previous = entry
-            setattr(owner, attr, previous)
+            entry.recompute = None
 
 
 def fsdp_reshard_after_forward(plan: RecomputePlan | None, layer_id: int, default: bool) -> bool:

@@ -1,30 +1,25 @@
-"""The addressable paths of a layer: module paths and callable instance attributes, matched by regex."""
+"""The addressable paths of a layer: module paths and communication-step attributes, matched by regex."""
 
 from __future__ import annotations
 
-import functools
 import re
-import types
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from torch import nn
 
 from lit_moe.model.names import spellings
-from lit_moe.strategies.recompute.hooks import _AroundCall
+from lit_moe.strategies.comm import CommStep
 
 
 # ----------------------------------------------------------------------------------------------
 # the addressable paths of a layer
 # ----------------------------------------------------------------------------------------------
-_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial, _AroundCall)
-
-
-def _callable_attributes(module: nn.Module) -> Iterable[tuple[str, Callable]]:
-    """Public instance attributes holding plain functions (functions, partials, bound methods, our
-    wrappers of them): how the parallel steps expose their communication ops. Other callable
-    objects (a core attention's ``context_parallel`` layout) are not communication steps."""
+def _callable_attributes(module: nn.Module) -> Iterable[tuple[str, CommStep]]:
+    """Public instance attributes holding a :class:`~lit_moe.strategies.comm.CommStep`: how the
+    parallel steps expose their communication ops (output recompute fills the step's ``recompute``
+    slot). Other callables (a core attention's ``context_parallel`` layout) are not communication steps."""
     for name, value in vars(module).items():
-        if not name.startswith("_") and name != "forward" and isinstance(value, _FUNCTIONS):
+        if not name.startswith("_") and isinstance(value, CommStep):
             yield name, value
 
 

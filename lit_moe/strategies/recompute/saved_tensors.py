@@ -15,7 +15,7 @@ from lit_moe.strategies.recompute.hooks import _AroundCall
 
 
 # ----------------------------------------------------------------------------------------------
-# wrapper 2: output recompute (communication steps, selected function attributes)
+# wrapper 2: output recompute (communication steps, selected modules of recompute_comm)
 # ----------------------------------------------------------------------------------------------
 _local = threading.local()
 
@@ -218,7 +218,7 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 
 class _OutputRecomputed(_AroundCall):
-    """Around a call (a function attribute, called through this stand-in, or a module's call, by
+    """Around a call (a communication step's function, from the step's ``recompute`` slot, or a module's call, by
     forward hooks): records the call's outputs with the enclosing layer's :class:`_Scope`, so they
     are recomputed in backward by ``call`` instead of kept. Outside a scope (or without grad) it
     changes nothing."""
