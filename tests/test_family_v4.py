@@ -141,6 +141,16 @@ def test_family_defaults_and_rules():
         check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid",
                                                 ulysses_degree_in_cp=2, context_parallel_async=asynchronous),
                               ParallelDims(world_size=4, cp=4), DeepseekV3Config(**V4))
+    # asynchronous, its attention waits on the exchanges' handles: a compiled layer leaves it out
+    from lit_moe.model.compile import own_graph_breaks
+    from lit_moe.model.v4_attention import V4Attention
+    from lit_moe.strategies.context_parallel import HeadShards
+
+    attention = V4Attention(DeepseekV3Config(**V4), 0)
+    assert not own_graph_breaks(attention)
+    for asynchronous in (False, True):
+        attention.hooks.head_shards = HeadShards(None, u=2, rank=0, asynchronous=asynchronous)
+        assert own_graph_breaks(attention) == asynchronous
 
 
 def test_export_refuses_what_transformers_cannot_hold():
