@@ -128,21 +128,29 @@ def test_family_defaults_and_rules():
 
     with pytest.raises(ParallelismError, match=r"^parallelism\.tensor_parallel: 4 must divide model\.o_groups 2 "):
         ParallelDims(world_size=4, tp=4).validate_model(DeepseekV3Config(**V4))
-    # every context-parallel method (v4_cp2_tp2_ep2 and v4_cp2_ulysses in test_step_layouts.py), but its
-    # heads' exchange is not overlapped: context_parallel_async is refused
+    # every context-parallel method (v4_cp2_tp2_ep2, v4_cp2_ulysses, v4_cp2_ulysses_async and
+    # v4_cp4_hybrid_async in test_step_layouts.py), asynchronous ulysses / hybrid too
     from lit_moe.config import ParallelismConfig
     from lit_moe.strategies.parallel_dims import check_parallel_layout
 
     dims = ParallelDims(world_size=2, cp=2)
     dims.validate_model(DeepseekV3Config(**V4))
-    check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims,
-                          DeepseekV3Config(**V4))
-    check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
-                          ParallelDims(world_size=4, cp=4), DeepseekV3Config(**V4))
-    with pytest.raises(ParallelismError, match=r"^parallelism\.context_parallel_async: true with model\."
-                                               r"experimental_attention_variant 'dsv4_hybrid' is not supported \("):
+    for asynchronous in (False, True):
         check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses",
-                                                context_parallel_async=True), dims, DeepseekV3Config(**V4))
+                                                context_parallel_async=asynchronous), dims, DeepseekV3Config(**V4))
+        check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid",
+                                                ulysses_degree_in_cp=2, context_parallel_async=asynchronous),
+                              ParallelDims(world_size=4, cp=4), DeepseekV3Config(**V4))
+    # asynchronous, its attention waits on the exchanges' handles: a compiled layer leaves it out
+    from lit_moe.model.compile import own_graph_breaks
+    from lit_moe.model.v4_attention import V4Attention
+    from lit_moe.strategies.context_parallel import HeadShards
+
+    attention = V4Attention(DeepseekV3Config(**V4), 0)
+    assert not own_graph_breaks(attention)
+    for asynchronous in (False, True):
+        attention.hooks.head_shards = HeadShards(None, u=2, rank=0, asynchronous=asynchronous)
+        assert own_graph_breaks(attention) == asynchronous
 
 
 def test_export_refuses_what_transformers_cannot_hold():

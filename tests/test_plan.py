@@ -270,8 +270,10 @@ def _saved_bytes_of_one_layer(cfg, layer_idx: int, batch: int, recompute) -> tup
         apply_recompute(model, recompute, None)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     S = cfg.seq_length
-    x = torch.randn(batch, S, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
-    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S))
+    streams = (cfg.hc_mult,) if cfg.enable_hyper_connections else ()    # DeepSeek-V4's residual streams
+    x = torch.randn(batch, S, *streams, cfg.hidden_size, dtype=cfg.torch_dtype("compute_dtype"), requires_grad=True)
+    ctx = AttentionContext.build(cfg, torch.arange(S).expand(batch, S),   # (token ids: hash-routed layers)
+                                 input_ids=torch.randint(0, cfg.vocab_size, (batch, S)))
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -351,7 +353,7 @@ class _KeptBytes:
         return t.detach()   # t itself would make a grad_fn cycle that a split backward never frees
 
 
-@pytest.mark.parametrize("attention", ["mla", "gqa"])
+@pytest.mark.parametrize("attention", ["mla", "gqa", "v32_loss"])
 def test_split_backward_keeps_what_the_zero_bubble_plan_says(attention):
     """The zero-bubble part of the plan against torch's own split backward (``stage_backward_input`` /
     ``stage_backward_weight``, what ``PipelineStage`` runs for I and W) on the two kinds of stages that
@@ -361,7 +363,9 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says(attention):
     output gradients :func:`layer_weight_grad_bytes` / :func:`head_weight_grad_bytes` count (exactly);
     each weight-gradient step frees its micro-batch's both; after the last one nothing is left; the
     gradients equal a plain full backward's. ``gqa``: the same model with Qwen3-MoE's grouped-query
-    attention (2 key/value heads, q/k norms; torch's fused CPU kernel)."""
+    attention (2 key/value heads, q/k norms; torch's fused CPU kernel). ``v32_loss``: DeepSeek-V3.2's
+    indexer trained on its loss (its inputs detached): the indexers' weight gradients keep no output
+    gradient of their own between the two steps (measured: exactly the same kept bytes as without them)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -372,7 +376,9 @@ def test_split_backward_keeps_what_the_zero_bubble_plan_says(attention):
 
     gqa = dict(model_type="qwen3_moe", multi_latent_attention=False, num_key_value_heads=2, head_dim=16,
                qk_layernorm=True, scoring_func="softmax", n_shared_experts=0)
-    cfg = DeepseekV3Config(**_tiny_pipeline_model(**(gqa if attention == "gqa" else {})))
+    # DeepSeek-V3.2's indexer trained on its loss (its 6 best keys of 64 per query)
+    v32 = dict(model_type="deepseek_v32", index_topk=6, index_n_heads=4, index_head_dim=16, dsa_indexer_loss_coeff=0.1)
+    cfg = DeepseekV3Config(**_tiny_pipeline_model(**{"gqa": gqa, "v32_loss": v32}.get(attention, {})))
     core_attention = "math" if cfg.multi_latent_attention else "fused"
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)

@@ -215,6 +215,11 @@ class V4Attention(nn.Module):
     def init_extra(self) -> None:
         self.sinks.zero_()   # as Hugging Face
 
+    @property
+    def breaks_compiled_graphs(self) -> bool:
+        """Asynchronous context parallel waits on its all-to-alls' handles (:mod:`lit_moe.model.compile`)."""
+        return bool(getattr(self.hooks.head_shards, "asynchronous", False))
+
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, S, _ = x.shape
         position_ids = ctx.position_ids
@@ -233,7 +238,8 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor(keys_x)
             if self.indexer is not None:
-                entry_mask = self.indexer(x, q_latent, position_ids, keys_x)
+                with torch.no_grad():   # a boolean choice: no gradient reaches it, nothing to save for one
+                    entry_mask = self.indexer(x, q_latent, position_ids, keys_x)
             else:
                 entry_mask = visible_entries(position_ids, entries.shape[1], self.rate)
             kv = torch.cat([kv, entries.to(kv.dtype)], dim=1)

@@ -8,9 +8,11 @@ concatenated weight is a per-forward tensor, rotary angles in ``rotary_dtype``, 
 experts). ``tests/test_plan.py`` compares it with ``torch.autograd.graph.saved_tensors_hooks`` counting
 the bytes one layer's forward saves on the CPU, ``tests/test_memory_plan.py`` for every family: MLA
 (DeepSeek-V3; V3.2 adds its lightning indexer's tensors when it trains on its loss), grouped-query
-attention (Qwen3-MoE, GLM-4-MoE: q/k norms, key/value heads repeated to the query heads), and the
-sigmoid or softmax router (the same tensors; the renormalisation's only with ``norm_topk_prob``).
-DeepSeek-V4's attention and hyper-connections are not modelled: :func:`not_estimated` says so and
+attention (Qwen3-MoE, GLM-4-MoE: q/k norms, key/value heads repeated to the query heads), the
+sigmoid, softmax or sqrt-softplus router (the same tensors, sqrt-softplus its logits too; the
+renormalisation's only with ``norm_topk_prob``), and DeepSeek-V4's layer (its attention with the
+compressed entries, the mHC streams' reads and writes, the SwiGLU clamp). A split backward's kept
+gradients are not modelled for V4: :func:`not_estimated` says so under the zero-bubble schedules and
 ``lit_moe plan`` prints that line instead of a figure. Core attention has two variants:
 
 * ``fused`` (flash / memory-efficient kernels on GPU and NPU): q, k, v, the output and the
@@ -153,11 +155,17 @@ def layer_inputs(config: Any, layer_idx: int, tokens: int, *, tp: int = 1,
                        "self_attention.core_attention": [("query", T * n * d * a), ("key", T * n * d * a),
                                                          ("value", T * n * d * a)],
                        "self_attention.o_proj": [("out", T * n * d * a)]})
+    if c.enable_hyper_connections:   # the norms read the collapsed streams (:func:`_hyper_connection_saved`)
+        inputs.update({"input_layernorm": [("attn_hc.collapsed", Tl * H * a)],
+                       "pre_mlp_layernorm": [("ffn_hc.collapsed", Tl * H * a)]})
     if c.is_moe_layer(layer_idx):
         K = c.num_experts_per_tok
         inputs.update({"mlp.router": [(_gathered("ln2", tp), T * H * a)],
                        "mlp.shared_experts": [(_gathered("ln2", tp), T * H * a)],
                        "mlp.experts": [("perm_x", T * K * H * a), ("perm_w", T * K * a)]})
+        if c.is_hash_layer(layer_idx):   # DeepSeek-V4's hash router also reads the token ids
+            for path in ("mlp", "mlp.router"):
+                inputs[path] = inputs[path] + [("input_ids", T * INDEX_BYTES)]
     else:
         inputs["mlp.down_proj"] = [("mlp.product", T * (c.intermediate_size // tp) * a)]
     return inputs
@@ -206,14 +214,22 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
         add(owner, f"{owner}.rsqrt", t * f)
         add(owner, f"{owner}.normed", t * d * f)
 
-    norm("input_layernorm", H, Tl, "x", Tl * H * a)
+    streams = c.enable_hyper_connections
+    if streams:   # the layer input is hc_mult residual streams, collapsed ahead of each half
+        _hyper_connection_saved(add, c, "attn_hc", Tl, a, "x")
+    norm("input_layernorm", H, Tl, *(("attn_hc.collapsed", Tl * H * a) if streams else ("x", Tl * H * a)))
     add("self_attention", _gathered("ln1", tp), T * H * a)     # the first projections' (gathered) input
-    if c.multi_latent_attention:
+    if getattr(c, "v4_attention", False):
+        _v4_attention_saved(add, norm, c, layer_idx, T, batch, seq, n, a, weight_copies)
+    elif c.multi_latent_attention:
         _mla_saved(add, norm, c, layer_idx, T, batch, seq, n, a, core_attention, weight_copies, fused_weights)
     else:
         _gqa_saved(add, norm, c, layer_idx, T, batch, seq, n, a, core_attention, weight_copies)
+    if streams:
+        _mixed_streams_saved(add, c, "attn_hc", Tl, a)
+        _hyper_connection_saved(add, c, "ffn_hc", Tl, a, "attn_hc.mixed")
     # MLP half
-    norm("pre_mlp_layernorm", H, Tl, "h", Tl * H * a)
+    norm("pre_mlp_layernorm", H, Tl, *(("ffn_hc.collapsed", Tl * H * a) if streams else ("h", Tl * H * a)))
     rb = _bytes(c.torch_dtype("router_dense_type"))
     if not c.is_moe_layer(layer_idx) or c.n_shared_experts > 0 or rb == a:
         # the router's / MLP's (gathered) input; a MoE layer without shared experts (Qwen3-MoE) whose
@@ -227,6 +243,8 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
         # sigmoid, softmax (Qwen3-MoE) and sqrt-softplus keep their output; the gather its indices; the
         # renormalisation (``norm_topk_prob``, off in Qwen3-MoE) the chosen weights and their sum
         router = [("scores", T * E * rb), ("topk_index", T * K * INDEX_BYTES)]
+        if c.scoring_func == "sqrtsoftplus":   # softplus keeps its input too (sqrt its output, the scores)
+            router.append(("logits", T * E * rb))
         if c.norm_topk_prob:
             router += [("topk_weights", T * K * rb), ("topk_sum", T * rb)]
         for key, nbytes in router:
@@ -238,13 +256,16 @@ def layer_saved_tensors(config: Any, layer_idx: int, tokens: int, batch: int, se
                             ("offsets", E * 4), ("rows_in", R * H * a), ("gate_up", R * 2 * I * a),
                             ("act_in", R * I * a), ("act", R * I * a), ("act_w", R * I * a), ("row_w", R * a)):
             add(ex, key, nbytes)                                # permuted tokens, grouped rows
+        _clamped(add, c, ex, R * I * a)
         if weight_copies:
             add(ex, "w_experts", E * H * 2 * I * a + E * I * H * a)
         if c.n_shared_experts > 0:
             _mlp(add, "mlp.shared_experts", c.shared_expert_intermediate_size // tp, T, H, a, weight_copies,
-                 fused_weights)
+                 fused_weights, c)
     else:
-        _mlp(add, "mlp", c.intermediate_size // tp, T, H, a, weight_copies, fused_weights)
+        _mlp(add, "mlp", c.intermediate_size // tp, T, H, a, weight_copies, fused_weights, c)
+    if streams:
+        _mixed_streams_saved(add, c, "ffn_hc", Tl, a)
     return rows
 
 
@@ -359,16 +380,20 @@ class EstimateUnavailable(ValueError):
     """The family's layers are not modelled (:func:`not_estimated`)."""
 
 
-def not_estimated(config: Any) -> Optional[str]:
-    """Why the activation figure is not available for this model (None: it is): DeepSeek-V4's attention
-    (sliding + compressed keys, sinks) and its hyper-connection residual streams are not modelled."""
-    if getattr(config, "v4_attention", False) or getattr(config, "enable_hyper_connections", False):
-        return (f"activation memory: not available for {config.model_type} (DeepSeek-V4 attention / "
-                f"hyper-connections are not modelled); the activation column counts 0")
+def not_estimated(config: Any, schedule: Optional[str] = None) -> Optional[str]:
+    """Why the activation figure is not available for this model under the pipeline ``schedule`` (None:
+    it is): a split backward (zero-bubble schedules) keeps output gradients that
+    :func:`layer_weight_grad_bytes` does not model for DeepSeek-V4's attention and hyper-connections."""
+    v4 = getattr(config, "v4_attention", False) or getattr(config, "enable_hyper_connections", False)
+    if v4 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        return (f"activation memory: not available for {config.model_type} with pipeline_parallel_schedule "
+                f"{schedule!r} (the split backward's kept gradients of DeepSeek-V4's attention / hyper-connections "
+                "are not modelled); the activation column counts 0")
     return None
 
 
-def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bool, fused_weights: bool) -> None:
+def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bool, fused_weights: bool,
+         config: Any = None) -> None:
     # concatenated gate/up weight, gate|up output, activation, activation x up (down's input)
     if fused_weights:
         add(owner, f"{owner}.w_gate_up", 2 * F * H * a)
@@ -377,13 +402,121 @@ def _mlp(add: Any, owner: str, F: int, T: int, H: int, a: int, weight_copies: bo
     add(f"{owner}.down_proj", f"{owner}.product", T * F * a)
     if weight_copies:
         add(f"{owner}.down_proj", f"{owner}.w_down", F * H * a)
+    _clamped(add, config, owner, T * F * a)
+
+
+def _clamped(add: Any, c: Any, owner: str, nbytes: int) -> None:
+    """DeepSeek-V4's SwiGLU limit (``swiglu_limit``): the clamped gate (the activation's input) and the
+    clamped up (the product's), ``nbytes`` each, besides the gate|up output the clamps keep."""
+    if c is not None and getattr(c, "swiglu_limit", None):
+        add(owner, f"{owner}.clamped_gate", nbytes)
+        add(owner, f"{owner}.clamped_up", nbytes)
+
+
+def _hyper_connection_saved(add: Any, c: Any, hc: str, T: int, a: int, streams_key: str) -> None:
+    """One mHC read of the ``n = hc_mult`` streams ``[T, n, H]`` (``lit_moe/model/hyper_connections.py``,
+    all fp32): the streams normalised together (their fp32 copy, rsqrt; the normalised product is
+    ``fn``'s input), ``fn``'s output (the three scaled groups are views of it), the two sigmoids'
+    outputs, Sinkhorn's softmax and each of its ``2 iters - 1`` divisions' numerator and denominator,
+    the collapse weights (sigmoid + eps) and the streams they weight (``streams_key``, the compute dtype)."""
+    n, H = c.hc_mult, c.hidden_size
+    divisions = 2 * c.hc_sinkhorn_iters - 1
+    add(hc, streams_key, T * n * H * a)
+    add(hc, f"{hc}.upcast" if a != 4 else streams_key, T * n * H * 4)
+    add(hc, f"{hc}.rsqrt", T * 4)
+    add(hc, f"{hc}.normed", T * n * H * 4)
+    add(hc, f"{hc}.mixes", T * (2 + n) * n * 4)
+    add(hc, f"{hc}.pre_sigmoid", T * n * 4)
+    add(hc, f"{hc}.post_sigmoid", T * n * 4)
+    add(hc, f"{hc}.sinkhorn", T * n * n * 4 * (1 + divisions) + T * n * 4 * divisions)
+    add(hc, f"{hc}.pre", T * n * 4)
+
+
+def _mixed_streams_saved(add: Any, c: Any, hc: str, T: int, a: int) -> None:
+    """:func:`lit_moe.model.hyper_connections.mix_streams` in the compute dtype: the block's output, the
+    output weights ``post`` and the mixing ``comb`` (cast; in fp32 the tensors themselves); its output
+    (``{hc}.mixed``) is the next read's streams."""
+    n, H = c.hc_mult, c.hidden_size
+    add(hc, f"{hc}.block_out", T * H * a)
+    add(hc, f"{hc}.post", T * n * a)
+    add(hc, f"{hc}.comb", T * n * n * a)
+
+
+def _unweighted_norm(add: Any, owner: str, rows: int, d: int, a: int) -> None:
+    # x * rsqrt(mean(x.float()^2) + eps).to(x.dtype): x, the fp32 rsqrt; another dtype also x's fp32
+    # copy and the rsqrt's cast
+    add(owner, f"{owner}.x", rows * d * a)
+    add(owner, f"{owner}.rsqrt", rows * 4)
+    if a != 4:
+        add(owner, f"{owner}.upcast", rows * d * 4)
+        add(owner, f"{owner}.rsqrt_cast", rows * a)
+
+
+def _compressor_saved(add: Any, c: Any, owner: str, batch: int, seq: int, dim: int, rate: int,
+                      overlap: bool, a: int, weight_copies: bool) -> None:
+    """A compressor's pooling (its projections read the attention's input, saved once): the fp32 values
+    and gate softmax over each window (``2 rate`` slots with CSA's overlap), the fp32 kv_norm of the
+    pooled entries, the rotary angles of the windows' first positions."""
+    W, width = seq // rate, 2 * dim if overlap else dim
+    H = c.hidden_size
+    if weight_copies:
+        add(owner, f"{owner}.w_kv", width * H * a)
+        add(owner, f"{owner}.w_gate", width * H * a)
+    slots = 2 * rate if overlap else rate
+    add(owner, f"{owner}.values", batch * W * slots * dim * 4)
+    add(owner, f"{owner}.softmax", batch * W * slots * dim * 4)
+    add(f"{owner}.kv_norm", f"{owner}.pooled", batch * W * dim * 4)
+    add(f"{owner}.kv_norm", f"{owner}.rsqrt", batch * W * 4)
+    add(f"{owner}.kv_norm", f"{owner}.normed", batch * W * dim * 4)
+    add(owner, f"{owner}.angles", 2 * W * (c.v4_rope_dim // 2) * 4)
+
+
+def _v4_attention_saved(add: Any, norm: Any, c: Any, layer_idx: int, T: int, batch: int, seq: int, n: int, a: int,
+                        weight_copies: bool) -> None:
+    """DeepSeek-V4's attention (``lit_moe/model/v4_attention.py``): the low-rank query and its norm, the
+    per-head unweighted query norm, the one key/value head and its norm, the layer's own rotary
+    angles (queries, keys, the output's back-rotation), the compressed entries (CSA, HCA; the lightning
+    indexer runs without autograd), the fp32 sink attention over ``seq`` window keys plus the entries
+    (query, keys, the mask, the softmax with the sink column) and the grouped output projections.
+    ``n``: this rank's heads."""
+    H, d, qr, r = c.hidden_size, c.gqa_head_dim, c.q_lora_rank, c.v4_rope_dim
+    att = "self_attention"
+    layer_type = c.layer_types[min(layer_idx, c.num_hidden_layers - 1)]
+    groups = c.o_groups * n // c.num_attention_heads         # this rank's head groups
+    if weight_copies:
+        add(f"{att}.q_a_proj", "w_q_a", qr * H * a)
+        add(f"{att}.q_b_proj", "w_q_b", n * d * qr * a)
+        add(f"{att}.kv_proj", "w_kv", d * H * a)
+        add(f"{att}.o_a_proj", "w_o_a", n * d * c.o_lora_rank * a)
+        add(f"{att}.o_b_proj", "w_o_b", groups * c.o_lora_rank * H * a)
+    norm(f"{att}.q_a_norm", qr, T, "q_a", T * qr * a)
+    add(f"{att}.q_b_proj", "q_lat", T * qr * a)
+    _unweighted_norm(add, f"{att}.q_norm", T * n, d, a)
+    norm(f"{att}.kv_norm", d, T, "kv_a", T * d * a)
+    add(att, "angles", 5 * T * (r // 2) * 4)                 # cos, sin of queries and keys, -sin
+    entries = 0
+    if layer_type != "sliding_attention":
+        rate = c.compress_rate(layer_type)
+        entries = seq // rate
+        _compressor_saved(add, c, f"{att}.compressor", batch, seq, d, rate,
+                          layer_type == "compressed_sparse_attention", a, weight_copies)
+    keys = batch * (seq + entries) * d * 4
+    core = f"{att}.sink_attention"
+    add(core, "query.fp32", T * n * d * 4)
+    add(core, "keys.fp32", keys)
+    if a != 4:
+        add(core, "keys.fp32.again", keys)                    # k.float() again for the probabilities' product
+    add(core, "blocked", T * (seq + entries))                 # ~allowed, one byte per query and key
+    add(core, "probs", T * n * (seq + entries + 1) * 4)       # with the sink column
+    add(f"{att}.o_a_proj", "attn_out", T * n * d * a)
+    add(f"{att}.o_b_proj", "o_a", T * groups * c.o_lora_rank * a)
 
 
 def per_forward_bytes(config: Any, tokens: int) -> int:
     """Tensors one forward shares between its layers: the rotary cos and sin, ``[T, d_rope / 2]`` each
     (``rotary_dim``: MLA's ``qk_rope_head_dim``, the rotated part of a grouped-query head)."""
-    if config.position_embedding_type not in ("rope", "yarn"):
-        return 0
+    if config.position_embedding_type not in ("rope", "yarn") or getattr(config, "v4_attention", False):
+        return 0   # (DeepSeek-V4's attention computes its own angles per layer: its rows)
     return 2 * tokens * (config.rotary_dim // 2) * _bytes(config.torch_dtype("rotary_dtype"))
 
 
@@ -399,9 +532,22 @@ def head_bytes(config: Any, tokens: int, tp: int = 1) -> int:
     f = _bytes(c.torch_dtype("layernorm_compute_dtype"))
     Tl = T // tp
     norm = 2 * Tl * H * f + Tl * f + T * H * a          # its (gathered) output is the head's input
+    norm += collapse_bytes(c, Tl)
     if tp > 1:
         return norm + T * (V // tp) * 4 + T * INDEX_BYTES + T + T * 4
     return norm + (T * V * a if T * V <= H * (T + V) else T * H * a + V * H * a)
+
+
+def collapse_bytes(config: Any, tokens: int) -> int:
+    """DeepSeek-V4's learned collapse of the mHC streams ahead of the final norm (``hc_head``, fp32): the
+    streams (compute dtype; their fp32 copy in another), the rsqrt, the normalised product ``hc_fn``
+    reads, its output, the sigmoid's output and the weights (+ eps). The mean collapse saves nothing."""
+    c = config
+    if not (c.enable_hyper_connections and c.enable_hc_head):
+        return 0
+    T, n, H = tokens, c.hc_mult, c.hidden_size
+    a = _bytes(c.torch_dtype("compute_dtype"))
+    return T * n * H * a + (T * n * H * 4 if a != 4 else 0) + T * 4 + T * n * H * 4 + 3 * T * n * 4
 
 
 def head_transient_bytes(config: Any, tokens: int, tp: int = 1) -> int:

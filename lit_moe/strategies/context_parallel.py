@@ -56,8 +56,10 @@ model, and only attention sees the other ranks' tokens.
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,
   with those rows of the sequence's mask (:func:`whole_sequence`, the model's ``hooks.whole_sequence``).
   Under ``ulysses`` / ``hybrid`` its sink attention runs on the ulysses group's queries for this
-  rank's ``heads/u`` heads (:func:`head_shards`, the model's ``hooks.head_shards``: all-to-all of the
-  queries and back, the group's mask rows gathered, the keys already whole); not asynchronous.
+  rank's ``heads/u`` heads (:class:`HeadShards`, the model's ``hooks.head_shards``: all-to-all of the
+  queries and back, the group's mask rows gathered, the keys already whole); with
+  ``context_parallel_async`` in two head groups, the second's exchange overlapping the first's attention.
+  (MindFormers runs its own all-gather context parallel for V4's attention whatever the method.)
 * **MTP.** Depth ``k`` reads the inputs shifted left by ``k``; the last token of each chunk needs the
   first token of the next chunk, which another rank holds. The model's ``hooks.shift_left`` is
   :func:`boundary_shift`, which exchanges those boundary tokens.
@@ -341,17 +343,52 @@ def _gathered_rows(rows: torch.Tensor, group: dist.ProcessGroup, u: int, dim: in
     return _concatenated(rows.to(torch.uint8), group, u, dim=dim).bool()   # (gloo gathers no bool)
 
 
-def head_shards(attend, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-                group: dist.ProcessGroup, u: int, rank: int) -> torch.Tensor:
+class HeadShards:
     """The model's ``hooks.head_shards`` (DeepSeek-V4's attention under ulysses / hybrid): this rank's
     queries ``[B, S/cp, h, d]`` (all its heads) → the ulysses group's queries for this rank's
     ``h/u`` heads (all-to-all), attended over the whole sequence's keys ``kv`` (the same on every
     rank) with the group's mask rows and those heads' sinks; the output goes back by the reverse
-    all-to-all. ``rank``: this rank's place in the ulysses group (its block of heads)."""
-    q = comm.all_to_all_dims(q, group, scatter_dim=2, gather_dim=1)           # [B, u·S/cp, h/u, d]
-    heads = q.shape[2]
-    out = attend(q, kv, _gathered_rows(allowed, group, u, dim=1), sinks[rank * heads:(rank + 1) * heads])
-    return comm.all_to_all_dims(out, group, scatter_dim=1, gather_dim=2)
+    all-to-all. ``rank``: this rank's place in the ulysses group (its block of heads).
+
+    ``asynchronous`` (``context_parallel_async``; ``h`` divisible by ``2u``): the heads are cut in
+    two groups, each exchanged by its own all-to-all, both started at once: the second group's
+    exchange runs while the first group's attention computes, and the first group's output goes
+    back while the second's computes (the other families' core attention: ``_forward_async``).
+    Each query head meets the same keys, rows and sink as in the one exchange: the same numbers."""
+
+    def __init__(self, group: dist.ProcessGroup, u: int, rank: int, asynchronous: bool):
+        self.group, self.u, self.rank = group, u, rank
+        # waiting on the handles cannot be traced: the attention reports it (V4Attention.breaks_compiled_graphs)
+        self.asynchronous = asynchronous
+
+    def __call__(self, attend, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor:
+        rows = _gathered_rows(allowed, self.group, self.u, dim=1)
+        parts = 2 if self.asynchronous and q.shape[2] % (2 * self.u) == 0 else 1
+        width = q.shape[2] // parts       # heads of one group, before the exchange
+        heads = width // self.u           # this rank's heads of one group, after it
+
+        def attend_group(p: int, q_p: torch.Tensor) -> torch.Tensor:
+            """Group ``p``'s queries of the ulysses group ``[B, u·S/cp, heads, d]`` for this rank's heads."""
+            first = p * width + self.rank * heads
+            return attend(q_p, kv, rows, sinks[first:first + heads])
+
+        if parts == 1:
+            q = comm.all_to_all_dims(q, self.group, scatter_dim=2, gather_dim=1)      # [B, u·S/cp, h/u, d]
+            return comm.all_to_all_dims(attend_group(0, q), self.group, scatter_dim=1, gather_dim=2)
+        started = []
+        for q_p in q.split(width, dim=2):           # every group's exchange in flight before any attends
+            handles: list = []
+            started.append((comm.start_all_to_all_dims(q_p, self.group, 2, handles), handles))
+        outs, out_handles = [], []
+        for p, (blocks, handles) in enumerate(started):
+            for work in handles:
+                work.wait()
+            q_p = comm.finish_all_to_all_dims(blocks, 1)
+            outs.append(comm.start_all_to_all_dims(attend_group(p, q_p), self.group, 1, out_handles))
+        for work in out_handles:
+            work.wait()
+        return torch.cat([comm.finish_all_to_all_dims(b, 2) for b in outs], dim=2)
 
 
 def _query_rows(masks: ShardMasks, rank: int, size: int, window_left: int) -> torch.Tensor:
@@ -490,8 +527,9 @@ def apply_context_parallel(model: nn.Module, dims, parallelism: Any) -> None:
     if getattr(config, "v4_attention", False):
         hooks.whole_sequence = functools.partial(whole_sequence, shard=shard, group=group)
         if u > 1:
-            hooks.head_shards = functools.partial(head_shards, group=ulysses_group, u=u, rank=rank % u)
+            hooks.head_shards = HeadShards(ulysses_group, u=u, rank=rank % u,
+                                           asynchronous=parallelism.context_parallel_async)
 
 
-__all__ = ["ContextParallelAttention", "ShardMasks", "apply_context_parallel", "attention_work", "boundary_shift",
-           "rank_chunks", "shard_positions"]
+__all__ = ["ContextParallelAttention", "HeadShards", "ShardMasks", "apply_context_parallel", "attention_work",
+           "boundary_shift", "rank_chunks", "shard_positions"]

@@ -110,6 +110,12 @@ def most_loaded(rows: list[RankPeak]) -> RankPeak:
     return max(rows, key=lambda r: r.total)
 
 
+def _schedule(dims: Any, parallelism: Any) -> Optional[str]:
+    """The pipeline schedule's name (None without pipelines)."""
+    name = getattr(parallelism, "pipeline_parallel_schedule", None) if dims.pp > 1 else None
+    return name.lower() if name else None
+
+
 def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumulation: int, local_batch_size: int,
                         seq_length: int, recompute_layers: frozenset, core_attention: str = "fused",
                         selection: Optional[dict] = None) -> list[int]:
@@ -121,7 +127,7 @@ def activations_by_rank(model_config: Any, dims: Any, parallelism: Any, accumula
     from lit_moe.strategies.activation_memory import (head_transient_bytes, model_activation_bytes, not_estimated,
                                                       pipeline_activation_plan)
 
-    if not_estimated(model_config):    # said once by print_peaks, not an MLA figure in its place
+    if not_estimated(model_config, _schedule(dims, parallelism)):   # said once by print_peaks, not a wrong figure
         return [0] * dims.pp
     seq = seq_length // dims.cp
     kwargs = activation_kwargs(model_config, dims, core_attention)
@@ -251,8 +257,9 @@ def print_peaks(out: Any, model_config: Any, dims: Any, parallelism: Any, recomp
         p(f"  {line}", file=out)
     from lit_moe.strategies.activation_memory import not_estimated
 
-    if not_estimated(model_config):
-        p(f"  {not_estimated(model_config)}", file=out)
+    gap = not_estimated(model_config, _schedule(dims, parallelism))
+    if gap:
+        p(f"  {gap}", file=out)
     p(f"  {'':17s}{'params':>11s}{'grads':>11s}{'optimizer':>11s}{'activations':>13s}{'buffers':>10s}"
       f"{'total':>11s}", file=out)
     for r in peaks:

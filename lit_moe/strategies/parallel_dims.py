@@ -498,13 +498,6 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
-        variant = getattr(model_config, "experimental_attention_variant", None)
-        if degree > 1 and variant == "dsv4_hybrid" and p.context_parallel_async:
-            # its head exchange (context_parallel.head_shards) runs between its own key computation and
-            # output rotation, outside the core attention whose head groups the async exchange pipelines
-            raise ParallelismError(
-                f"parallelism.context_parallel_async: true with model.experimental_attention_variant {variant!r} "
-                "is not supported (DeepSeek-V4's attention exchanges its heads synchronously); set it to false")
         if degree > 1 and getattr(model_config, "dsa_indexer_loss_coeff", None):
             # its target sums the main attention over every head of a query: 'colossal' keeps them on
             # the query's rank, an all-to-all spreads them over the ulysses group

@@ -322,7 +322,7 @@ def pipeline_activations(model_config: Any, layout: Any, dims: Any, accumulation
     from lit_moe.strategies.memory_plan import activation_kwargs, configured_full_layers, configured_selection
 
     full = configured_full_layers(model_config, recompute, recompute_comm)
-    if not_estimated(model_config):    # the peak table says why (memory_plan.print_peaks)
+    if not_estimated(model_config, layout.schedule):    # the peak table says why (memory_plan.print_peaks)
         zero = {"bytes": 0, "chunks": 0, "per_microbatch": 0, "weight_grad_per_microbatch": 0}
         return {"ranks": [dict(zero) for _ in range(layout.pp)], "recompute_layers": full}
     selection = configured_selection(model_config, dims, recompute, recompute_comm)
