@@ -760,9 +760,6 @@ BUGS: list[Bug] = [
         ("tests/test_step_layouts.py", "-k", "v32_loss_dp2_ep2")),
     # ... under pipeline parallel: a stage's indexer losses reach the backward (the first's through its
     # output hidden state, the last's at its loss output) and the step's log
-    Bug("v32_loss_under_ulysses_accepted", "CP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/parallel_dims.py",
-        "        if degree > 1 and getattr(model_config, \"dsa_indexer_loss_coeff\", None):",
-        "        if False:", ("tests/test_deepseek_v32.py", "-k", "every_context_parallel_method")),
     Bug("v32_pp_first_stage_indexer_loss_dropped", "PP (DeepSeek-V3.2 indexer loss)", "lit_moe/pipeline/stage.py",
         "                for term in (aux, indexer):", "                for term in (aux,):",
         ("tests/test_pipeline.py", "-k", "pp2_v32_loss_mtp")),
@@ -787,6 +784,21 @@ BUGS: list[Bug] = [
         "    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)",
         "    keys = _in_sequence_order(comm.all_gather(k.detach(), group, dim=1), shard.size)",
         ("tests/test_step_layouts.py", "-k", "v32_loss_cp2")),
+    # ... under ulysses / hybrid: the target is whole where its query lives (all heads, before the
+    # all-to-all); summing it again over the ulysses group mixes other ranks' queries in, and its keys
+    # come from every cp rank, not only the ulysses group's
+    Bug("v32_loss_ulysses_target_summed_over_group", "CP (DeepSeek-V3.2 indexer loss)",
+        "lit_moe/strategies/context_parallel.py",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n"
+        "        if u > 1:\n            hooks.head_sum = lambda t: comm.all_reduce(t, ulysses_group)\n",
+        ("tests/test_step_layouts.py", "-k", "v32_loss_cp2_ulysses")),
+    Bug("v32_loss_hybrid_target_keys_ulysses_group", "CP (DeepSeek-V3.2 indexer loss)",
+        "lit_moe/strategies/context_parallel.py",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard,\n"
+        "                                                      group=ulysses_group or group)\n",
+        ("tests/test_step_layouts.py", "-k", "v32_loss_cp4_hybrid_async")),
     # ... generation: the indexer's key cache (each new query's top-k among every token's keys)
     Bug("v32_predict_stale_index_key", "predict (DeepSeek-V3.2)", "lit_moe/model/attention.py",
         "            k = torch.cat([self.index_keys[layer], k], dim=1)",

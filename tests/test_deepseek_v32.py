@@ -128,7 +128,7 @@ def test_refused_by_name(changes, message):
 def test_every_context_parallel_method_accepted_and_predict_accepted():
     from lit_moe.config import ParallelismConfig
     from lit_moe.tools.predict import check_model
-    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError, check_parallel_layout
+    from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout
 
     c = DeepseekV3Config(**V32)
     dims = ParallelDims(world_size=2, cp=2)
@@ -139,15 +139,14 @@ def test_every_context_parallel_method_accepted_and_predict_accepted():
     check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
                           ParallelDims(world_size=4, cp=4), c)
     # the indexer loss: every layout (v32_loss_* in test_step_layouts.py, pp2_v32_loss_mtp in test_pipeline.py)
-    # but ulysses/hybrid context parallel
     lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
     for layout, sizes in ((dict(data_parallel_shard=2), dict(dp_shard=2)), (dict(context_parallel=2), dict(cp=2)),
+                          (dict(context_parallel=2, context_parallel_method="ulysses"), dict(cp=2)),
                           (dict(tensor_parallel=2), dict(tp=2)),
                           (dict(pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0-1", "2-2"]), dict(pp=2))):
         check_parallel_layout(ParallelismConfig(**layout), ParallelDims(world_size=2, **sizes), lossy)
-    with pytest.raises(ParallelismError, match=r"^model\.dsa_indexer_loss_coeff: 0\.1 \(DeepSeek-V3\.2's indexer loss\) "
-                                               r"is not implemented with context_parallel_method 'ulysses'"):
-        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, lossy)
+    check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
+                          ParallelDims(world_size=4, cp=4), lossy)
     check_model(c)   # predict caches the indexer's keys (tests/test_predict.py)
 
 

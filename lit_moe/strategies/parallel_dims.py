@@ -504,13 +504,6 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             raise ParallelismError(
                 f"parallelism.context_parallel_async: true with model.experimental_attention_variant {variant!r} "
                 "is not supported (DeepSeek-V4's attention exchanges its heads synchronously); set it to false")
-        if degree > 1 and getattr(model_config, "dsa_indexer_loss_coeff", None):
-            # its target sums the main attention over every head of a query: 'colossal' keeps them on
-            # the query's rank, an all-to-all spreads them over the ulysses group
-            raise ParallelismError(
-                f"model.dsa_indexer_loss_coeff: {model_config.dsa_indexer_loss_coeff} (DeepSeek-V3.2's indexer loss) "
-                f"is not implemented with context_parallel_method {p.context_parallel_method!r}; use 'colossal' or "
-                "set it to 0")
     if dims.pp > 1:   # (the schedule and the micro-batch count: lit_moe.pipeline.check_pipeline_run)
         pipeline_stage_layers(p, getattr(model_config, "num_hidden_layers"))
 
