@@ -811,9 +811,6 @@ BUGS: list[Bug] = [
         ("tests/test_step_layouts.py", "-k", "v32_loss_dp2_ep2")),
     # ... under pipeline parallel: a stage's indexer losses reach the backward (the first's through its
     # output hidden state, the last's at its loss output) and the step's log
-    Bug("v32_loss_under_ulysses_accepted", "CP (DeepSeek-V3.2 indexer loss)", "lit_moe/strategies/parallel_dims.py",
-        "        if degree > 1 and getattr(model_config, \"dsa_indexer_loss_coeff\", None):",
-        "        if False:", ("tests/test_deepseek_v32.py", "-k", "every_context_parallel_method")),
     Bug("v32_pp_first_stage_indexer_loss_dropped", "PP (DeepSeek-V3.2 indexer loss)", "lit_moe/pipeline/stage.py",
         "                for term in (aux, indexer):", "                for term in (aux,):",
         ("tests/test_pipeline.py", "-k", "pp2_v32_loss_mtp")),
@@ -838,6 +835,58 @@ BUGS: list[Bug] = [
         "    keys = _in_sequence_order(comm.all_gather(k, group, dim=1), shard.size)",
         "    keys = _in_sequence_order(comm.all_gather(k.detach(), group, dim=1), shard.size)",
         ("tests/test_step_layouts.py", "-k", "v32_loss_cp2")),
+    # ... under ulysses / hybrid: the target is whole where its query lives (all heads, before the
+    # all-to-all); summing it again over the ulysses group mixes other ranks' queries in, and its keys
+    # come from every cp rank, not only the ulysses group's
+    Bug("v32_loss_ulysses_target_summed_over_group", "CP (DeepSeek-V3.2 indexer loss)",
+        "lit_moe/strategies/context_parallel.py",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n"
+        "        if u > 1:\n            hooks.head_sum = lambda t: comm.all_reduce(t, ulysses_group)\n",
+        ("tests/test_step_layouts.py", "-k", "v32_loss_cp2_ulysses")),
+    Bug("v32_loss_hybrid_target_keys_ulysses_group", "CP (DeepSeek-V3.2 indexer loss)",
+        "lit_moe/strategies/context_parallel.py",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard, group=group)\n",
+        "        hooks.indexer_target_keys = functools.partial(indexer_target_keys, shard=shard,\n"
+        "                                                      group=ulysses_group or group)\n",
+        ("tests/test_step_layouts.py", "-k", "v32_loss_cp4_hybrid_async")),
+    # ... its dense warm-up stage (dsa_indexer_use_sparse_loss: false): dense attention, the loss over every
+    # allowed key, every weight but the indexers' frozen
+    Bug("v32_warmup_runs_sparse", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/indexer.py",
+        "        self.sparse = bool(c.dsa_indexer_use_sparse_loss)", "        self.sparse = True",
+        ("tests/test_deepseek_v32.py", "-k", "dense_warm_up_attends")),
+    Bug("v32_warmup_loss_over_topk", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/indexer.py",
+        "        return (self.select(index_scores, allowed) if self.sparse else allowed), index_scores",
+        "        return self.select(index_scores, allowed), index_scores",
+        ("tests/test_deepseek_v32.py", "-k", "dense_warm_up_loss")),
+    Bug("v32_warmup_not_frozen", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/transformer.py",
+        "            freeze_all_but_indexers(self)\n", "            pass\n",
+        ("tests/test_deepseek_v32.py", "-k", "dense_warm_up_attends")),
+    Bug("v32_warmup_mtp_indexer_frozen", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/indexer.py",
+        "trained = {id(p) for m in model.modules() if isinstance(m, LightningIndexer)",
+        "trained = {id(p) for m in model.layers.modules() if isinstance(m, LightningIndexer)",
+        ("tests/test_deepseek_v32.py", "-k", "dense_warm_up_attends")),
+    Bug("v32_warmup_cached_step_sparse", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/attention.py",
+        "    if attn.indexer is not None and attn.indexer.sparse:", "    if attn.indexer is not None:",
+        ("tests/test_deepseek_v32.py", "-k", "dense_warm_up_attends")),
+    Bug("v32_warmup_flops_topk", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/sizing.py",
+        "    limits = [c.index_topk] if c.sparse_attention and c.dsa_indexer_use_sparse_loss else []",
+        "    limits = [c.index_topk] if c.sparse_attention else []",
+        ("tests/test_deepseek_v32.py", "-k", "sizing")),
+    Bug("v32_warmup_without_loss_accepted", "families (DeepSeek-V3.2 dense warm-up)",
+        "lit_moe/model/config_parsing.py",
+        "    if not cfg.dsa_indexer_use_sparse_loss and not (cfg.dsa_indexer_loss_coeff or 0) > 0:",
+        "    if False:",
+        ("tests/test_deepseek_v32.py", "-k", "mindformers_section_with_the_dsa_keys")),
+    # ... under the layouts: FSDP gathers a layer's weights before its backward only if its output
+    # takes part in autograd; the pipeline's frozen embedding copies get no zero gradient
+    Bug("v32_warmup_output_not_tied", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/attention.py",
+        "                out = tied_to_loss(out, self.indexer.loss)\n", "                pass\n",
+        ("tests/test_step_layouts.py", "-k", "v32_warmup_tp2")),
+    Bug("pp_frozen_embedding_zero_grad", "PP (DeepSeek-V3.2 dense warm-up)", "lit_moe/pipeline/runner.py",
+        "            if not p.requires_grad:   # frozen (LoRA, DeepSeek-V3.2's dense warm-up): a zero gradient\n"
+        "                continue              # would let weight decay move it\n", "",
+        ("tests/test_pipeline.py", "-k", "layout_matches and pp2_v32_warmup_mtp")),
     # ... generation: the indexer's key cache (each new query's top-k among every token's keys)
     Bug("v32_predict_stale_index_key", "predict (DeepSeek-V3.2)", "lit_moe/model/attention.py",
         "            k = torch.cat([self.index_keys[layer], k], dim=1)",

@@ -106,11 +106,14 @@ def test_mindformers_section_with_the_dsa_keys():
         m = DeepseekV3ForCausalLM(c)
     assert tuple(m.layers[0].self_attention.indexer.wq_b.weight.shape) == (4 * 16, 32)
     assert hf_config_dict(c)["model_type"] == "deepseek_v32"    # exported as the family it is
-    # MindFormers' default stage is the dense warm-up (dsa_indexer_use_sparse_loss False): refused by name
+    # MindFormers' default stage is the dense warm-up (dsa_indexer_use_sparse_loss False), which trains the
+    # indexer only: without its loss (coefficient 0) refused by name, with it accepted
     without = {k: v for k, v in section.items() if k != "dsa_indexer_use_sparse_loss"}
-    with pytest.raises(ConfigError, match=r"^model\.dsa_indexer_use_sparse_loss: False .*dense warm-up.* not "
-                                          r"implemented yet"):
+    with pytest.raises(ConfigError, match=r"^model\.dsa_indexer_use_sparse_loss: False .*dense warm-up.* needs "
+                                          r"dsa_indexer_loss_coeff > 0"):
         DeepseekV3Config(**read_pynative_model_section(without))
+    warm = DeepseekV3Config(**read_pynative_model_section({**without, "dsa_indexer_loss_coeff": 0.5}))
+    assert (warm.sparse_attention, warm.dsa_indexer_use_sparse_loss) == (True, False)
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -128,7 +131,7 @@ def test_refused_by_name(changes, message):
 def test_every_context_parallel_method_accepted_and_predict_accepted():
     from lit_moe.config import ParallelismConfig
     from lit_moe.tools.predict import check_model
-    from lit_moe.strategies.parallel_dims import ParallelDims, ParallelismError, check_parallel_layout
+    from lit_moe.strategies.parallel_dims import ParallelDims, check_parallel_layout
 
     c = DeepseekV3Config(**V32)
     dims = ParallelDims(world_size=2, cp=2)
@@ -139,15 +142,14 @@ def test_every_context_parallel_method_accepted_and_predict_accepted():
     check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
                           ParallelDims(world_size=4, cp=4), c)
     # the indexer loss: every layout (v32_loss_* in test_step_layouts.py, pp2_v32_loss_mtp in test_pipeline.py)
-    # but ulysses/hybrid context parallel
     lossy = DeepseekV3Config(**{**V32, "dsa_indexer_loss_coeff": 0.1})
     for layout, sizes in ((dict(data_parallel_shard=2), dict(dp_shard=2)), (dict(context_parallel=2), dict(cp=2)),
+                          (dict(context_parallel=2, context_parallel_method="ulysses"), dict(cp=2)),
                           (dict(tensor_parallel=2), dict(tp=2)),
                           (dict(pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0-1", "2-2"]), dict(pp=2))):
         check_parallel_layout(ParallelismConfig(**layout), ParallelDims(world_size=2, **sizes), lossy)
-    with pytest.raises(ParallelismError, match=r"^model\.dsa_indexer_loss_coeff: 0\.1 \(DeepSeek-V3\.2's indexer loss\) "
-                                               r"is not implemented with context_parallel_method 'ulysses'"):
-        check_parallel_layout(ParallelismConfig(context_parallel=2, context_parallel_method="ulysses"), dims, lossy)
+    check_parallel_layout(ParallelismConfig(context_parallel=4, context_parallel_method="hybrid", ulysses_degree_in_cp=2),
+                          ParallelDims(world_size=4, cp=4), lossy)
     check_model(c)   # predict caches the indexer's keys (tests/test_predict.py)
 
 
@@ -188,7 +190,8 @@ def test_indexer_gets_no_gradient_and_recompute_addresses_it():
 def test_graph_config_with_the_dsa_keys_converts(tmp_path, capsys):
     """``lit_moe convert-config`` of a graph-mode DeepSeek-V3 config (the mcore fixture) with the DSA keys of
     MindFormers' TransformerConfig: they carry over and build the sparse attention; without
-    dsa_indexer_use_sparse_loss (MindFormers' default False: the dense warm-up) one line names it."""
+    dsa_indexer_use_sparse_loss (MindFormers' default False: the dense warm-up, which needs the indexer
+    loss, here 0) one line names it."""
     from test_convert_families import family
     from lit_moe.tools.convert_config import main
 
@@ -223,6 +226,9 @@ def test_sizing_counts_the_indexer():
     assert param_counts(c).total_with_mtp == sum(p.numel() for p in model.parameters())
     dense = DeepseekV3Config(**{k: v for k, v in V32.items() if not k.startswith("index_") and k != "model_type"})
     assert flops_per_token(c, SEQ) - flops_per_token(dense, SEQ) == pytest.approx(-13752, abs=1e-6)
+    # the dense warm-up stage attends every key: only the indexer's 3 · (6656 + 2560) more
+    warm = DeepseekV3Config(**{**V32, **WARM_UP})
+    assert flops_per_token(warm, SEQ) - flops_per_token(dense, SEQ) == pytest.approx(27648, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,10 +242,12 @@ ONE_LAYER = {**V32, "num_hidden_layers": 1, "position_embedding_type": "learned_
              "dsa_indexer_loss_coeff": 0.7}
 
 
-def reference_indexer_loss(attn, x, coeff):
-    """DeepSeek-V3.2's sparse-stage indexer loss from the formula, in plain torch on the weights of ``attn``
-    (its input ``x [B, S, H]``): S_t = the top-k causal keys of the index scores I; p = the heads' attention
-    probabilities restricted to S_t, summed, L1-renormalised; coeff * mean_t KL(p || softmax(I over S_t))."""
+def reference_indexer_loss(attn, x, coeff, dense=False, indexer_weights=None):
+    """DeepSeek-V3.2's indexer loss from the formula, in plain torch on the weights of ``attn`` (its input
+    ``x [B, S, H]``): S_t = the top-k causal keys of the index scores I (``dense``, the warm-up stage: every
+    causal key); p = the heads' attention probabilities restricted to S_t, summed, L1-renormalised;
+    coeff * mean_t KL(p || softmax(I over S_t)). ``indexer_weights``: the indexer's parameters by name
+    (fp64, for autograd); default: its own."""
     B, S, _ = x.shape
     W = lambda lin: lin.weight.double()                                      # noqa: E731
     rms = lambda t, w, eps: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()   # noqa: E731
@@ -255,17 +263,17 @@ def reference_indexer_loss(attn, x, coeff):
     logits = torch.einsum("bqhd,bkhd->bhqk", q, k) * c.scale                 # [B, n, S, S]
     ix = attn.indexer
     h, D = ix.n_heads, ix.head_dim
-    qi = (q_lat @ W(ix.wq_b).T).view(B, S, h, D)
-    ki = torch.nn.functional.layer_norm(x @ W(ix.wk).T, (D,), ix.k_norm.weight.double(), ix.k_norm.bias.double(),
-                                        1e-6)
-    w = (x @ W(ix.weights_proj).T) * h ** -0.5
+    P = indexer_weights or {n: p.detach().double() for n, p in ix.named_parameters()}
+    qi = (q_lat @ P["wq_b.weight"].T).view(B, S, h, D)
+    ki = torch.nn.functional.layer_norm(x @ P["wk.weight"].T, (D,), P["k_norm.weight"], P["k_norm.bias"], 1e-6)
+    w = (x @ P["weights_proj.weight"].T) * h ** -0.5
     I = (w[..., None] * torch.relu(torch.einsum("bqhd,bkd->bqhk", qi, ki) * D ** -0.5)).sum(2)   # [B, S, S]
     total = 0.0
     for b in range(B):
         for t in range(S):
             ranked = I[b, t, :t + 1].sort(descending=True)
-            keys = ranked.indices[:ix.topk]                                    # S_t among the causal keys
-            assert t < ix.topk or ranked.values[ix.topk - 1] - ranked.values[ix.topk] > 1e-4   # no tie
+            keys = torch.arange(t + 1) if dense else ranked.indices[:ix.topk]   # S_t among the causal keys
+            assert dense or t < ix.topk or ranked.values[ix.topk - 1] - ranked.values[ix.topk] > 1e-4   # no tie
             p = torch.softmax(logits[b, :, t, keys], -1).sum(0)
             p = p / p.sum()
             log_q = torch.log_softmax(I[b, t, keys], -1)
@@ -342,3 +350,73 @@ def test_training_moves_the_indexer_and_logs_its_loss(tmp_path, capsys):
     assert main(["fit", "--config", str(write_config(tmp_path, cfg))]) == 0, capsys.readouterr().err
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 2/2")]
     assert lines and "indexer_loss" in lines[0], lines
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3.2's dense warm-up stage (dsa_indexer_use_sparse_loss: false, MindFormers' default)
+# ----------------------------------------------------------------------------------------------
+WARM_UP = {"dsa_indexer_use_sparse_loss": False, "dsa_indexer_loss_coeff": 0.7}
+
+
+def test_dense_warm_up_loss_and_indexer_gradient_match_the_formula():
+    """The dense stage's indexer loss (every causal key of each query, the heads' full attention as the
+    target) and its gradient on each indexer weight against the hand reference in fp64 autograd."""
+    m = ours_model({**ONE_LAYER, **WARM_UP}).train()
+    attn = m.layers[0].self_attention
+    seen = {}
+    attn.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0].detach()))
+    x = ids(3)
+    out = m(x, labels=x)
+    out.indexer_loss.backward()
+    weights = {n: p.detach().double().requires_grad_() for n, p in attn.indexer.named_parameters()}
+    ref = reference_indexer_loss(attn, seen["x"], 0.7, dense=True, indexer_weights=weights)
+    ref_grads = dict(zip(weights, torch.autograd.grad(ref, list(weights.values()))))
+    # measured 6.9e-7 relative (fp32 against fp64)
+    assert abs(out.indexer_loss.item() - ref.item()) <= 5e-6 * abs(ref.item()), (out.indexer_loss.item(), ref)
+    sparse = reference_indexer_loss(attn, seen["x"], 0.7)            # the top-k stage's: 0.011 against 0.029
+    assert abs(sparse.item() - ref.item()) > 0.1 * abs(ref.item())
+    worst = 0.0
+    for name, p in attn.indexer.named_parameters():
+        g, r = p.grad.double(), ref_grads[name]
+        worst = max(worst, ((g - r).norm() / r.norm()).item())
+    assert worst <= 5e-6, worst   # measured 7.2e-7 (relative norm, the worst of the five weights)
+
+
+def test_dense_warm_up_attends_every_key_and_trains_the_indexers_only(tmp_path):
+    """The dense stage: the MLA attends every key (training and evaluation forwards and cached generation
+    equal transformers' DeepseekV32 with index_topk = the sequence length on the same weights); every
+    parameter but the indexers' (the MTP layer's too) is frozen at construction and gets no gradient."""
+    from lit_moe.model.generate import LatentCache, forward_step
+
+    x = ids()
+    with_mtp = ours_model({**V32, **WARM_UP, "num_nextn_predict_layers": 1})
+    trainable = {n for n, p in with_mtp.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in with_mtp.named_parameters() if ".indexer." in n}
+    assert {n.split(".indexer.")[0] for n in trainable} == {"layers.0.self_attention", "layers.1.self_attention",
+                                                            "layers.2.self_attention", "mtp.0.layer.self_attention"}
+    out = with_mtp.train()(x, labels=x)
+    (out.loss + out.aux_loss + out.mtp_loss + out.indexer_loss).backward()
+    assert all((p.grad is not None) == (n in trainable) for n, p in with_mtp.named_parameters())
+    m = ours_model({**V32, **WARM_UP})     # (transformers' DeepseekV32ForCausalLM loads no MTP layer)
+    outputs = {}
+    m.layers[2].self_attention.register_forward_hook(lambda mod, args, out: outputs.update({mod.training: out}))
+    m.train()(x, labels=x)
+    with torch.no_grad():
+        ours = m.eval()(x).logits
+    assert torch.equal(outputs[True], outputs[False])     # the training forward attends as the evaluation one
+    m.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "index_topk": SEQ}))
+    with torch.no_grad():
+        dense = hf_load(tmp_path)(x).logits
+        sparse = ours_model(V32)(x).logits   # the same weights, top-6
+    # measured 2.6e-6 (logits up to 3.4); the top-6 selection moves them by 4.5
+    assert (ours - dense).abs().max().item() <= 2e-5
+    assert (sparse - dense).abs().max().item() > 0.5
+    # generation: a cached step attends every cached key too
+    cache, valid = LatentCache(), torch.ones_like(x[:1], dtype=torch.bool)
+    positions = torch.arange(SEQ)[None]
+    with torch.no_grad():
+        forward_step(m, x[:1, :SEQ - 1], positions[:, :SEQ - 1], valid[:, :SEQ - 1], cache)
+        step = forward_step(m, x[:1, SEQ - 1:], positions[:, SEQ - 1:], valid, cache)
+    assert (step - ours[:1, -1]).abs().max().item() <= 1e-5   # measured 1.3e-6

@@ -192,7 +192,10 @@ V4_SECTION = dict(model_type="deepseek_v4", head_dim=16, partial_rotary_factor=0
 # DeepSeek-V3.2 with its indexer loss: each query attends to the indexer's 8 best keys (SEQ 32)
 V32_LOSS_SECTION = dict(model_type="deepseek_v32", index_topk=8, index_n_heads=4, index_head_dim=16,
                         dsa_indexer_loss_coeff=0.5)
-FAMILY_SECTIONS = {"deepseek_v3": {}, "deepseek_v4": V4_SECTION, "deepseek_v32_loss": V32_LOSS_SECTION}
+# ... in its dense warm-up stage (dense attention, every weight but the indexers' frozen)
+V32_WARMUP_SECTION = dict(V32_LOSS_SECTION, dsa_indexer_use_sparse_loss=False)
+FAMILY_SECTIONS = {"deepseek_v3": {}, "deepseek_v4": V4_SECTION, "deepseek_v32_loss": V32_LOSS_SECTION,
+                   "deepseek_v32_warmup": V32_WARMUP_SECTION}
 
 
 LAYOUTS = {
@@ -202,6 +205,7 @@ LAYOUTS = {
     # DeepSeek-V3.2's indexer loss: the first stage's indexers' losses leave it backward (as the balancing
     # losses), the last stage's (the MTP layer's too) at its output
     "pp2_v32_loss_mtp": _layout(2, 2, mtp=1, family="deepseek_v32_loss"),
+    "pp2_v32_warmup_mtp": _layout(2, 2, mtp=1, family="deepseek_v32_warmup"),
     "pp2_gpipe_uneven": _layout(2, 2, schedule="gpipe", ranges=["0-2", "3-3"]),
     "pp2_interleaved2": _layout(2, 2, v=2, mtp=1),
     "pp2_mtp": _layout(2, 2, mtp=1),
@@ -557,11 +561,17 @@ def test_layout_matches_one_process(name, runs, references):
             assert _rel(out[key], ref[key]) < rtol, (name, r, key, out[key], ref[key])
         # the strategy's answers for the callbacks, on every rank whatever stages it holds: the
         # embedding's gradient norm (the first stage's) and every MoE layer's token counts
-        assert _rel(out["emb_norm"], ref["emb_norm"]) < rtol, (name, r, out["emb_norm"], ref["emb_norm"])
+        if spec["family"] == "deepseek_v32_warmup":   # frozen: no gradient (one process's strategy: None too)
+            assert out["emb_norm"] == [None] * STEPS, (name, r, out["emb_norm"])
+        else:
+            assert _rel(out["emb_norm"], ref["emb_norm"]) < rtol, (name, r, out["emb_norm"], ref["emb_norm"])
         for step in range(STEPS):
             assert torch.equal(out["counts"][step], ref["counts"][step]), (name, r, step)
-        if spec["family"] == "deepseek_v32_loss":   # every stage's indexer losses, on every rank (measured 3.9e-6)
-            assert min(ref["indexer"]) > 0 and _rel_each(out["indexer"], ref["indexer"]) < rtol, (name, r, out["indexer"])
+        if spec["family"] in ("deepseek_v32_loss", "deepseek_v32_warmup"):   # every stage's indexer losses, on
+            # every rank (measured 3.9e-6; the warm-up 1.7e-5: the indexers are all it trains, and AdamW makes
+            # full steps of their near-zero gradients' rounding noise)
+            bound = 1e-4 if spec["family"] == "deepseek_v32_warmup" else rtol
+            assert min(ref["indexer"]) > 0 and _rel_each(out["indexer"], ref["indexer"]) < bound, (name, r, out["indexer"])
         else:
             assert out["indexer"] == [0.0] * STEPS, (name, r)
         for step in range(STEPS):
@@ -589,8 +599,8 @@ def test_layout_matches_one_process(name, runs, references):
     # every parameter and MoE layer of the model lives on some stage
     assert seen_params == set(ref["params"])
     assert seen_bias == set(ref["bias"][0])
-    # the clip is active in these runs (so the global norm matters)
-    assert max(ref["grad_norm"]) > MAX_NORM
+    # the clip is active in these runs (so the global norm matters; the warm-up's indexers alone are below it)
+    assert (max(ref["grad_norm"]) > MAX_NORM) == (spec["family"] != "deepseek_v32_warmup")
 
 
 # ----------------------------------------------------------------------------------------------

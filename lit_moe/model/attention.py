@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_moe.model.config import DeepseekV3Config
-from lit_moe.model.indexer import LightningIndexer, attention_target, indexer_kl_loss
+from lit_moe.model.indexer import LightningIndexer, attention_target, indexer_kl_loss, tied_to_loss
 from lit_moe.model.rope import rotary_cos_sin, softmax_scale
 from lit_moe.ops import Linear, apply_rotary, build_norm, fused_linear
 from lit_moe.ops.attention import block_causal_attention, use_block_causal
@@ -282,14 +282,20 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             self.indexer.loss = None
             train_indexer = self.training and self.indexer.loss_coeff > 0 and torch.is_grad_enabled()
+            # selected: each query's keys for the indexer loss (its top-k; in the dense warm-up stage
+            # every allowed key); only the sparse stage narrows the attention to them
             if train_indexer:   # the indexer's inputs leave the main model's graph: it learns from its loss only
-                mask, scores = self.indexer(x.detach(), q_latent.detach(), ctx.cos, ctx.sin, mask, with_grad=True)
-            else:
-                mask, _ = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
+                selected, scores = self.indexer(x.detach(), q_latent.detach(), ctx.cos, ctx.sin, mask, with_grad=True)
+            elif self.indexer.sparse:
+                selected, _ = self.indexer(x, q_latent, ctx.cos, ctx.sin, mask)
+            if self.indexer.sparse:
+                mask = selected
         out = self.core_attention(query, key, value, mask)          # [B, heads, S, d_v]
         if train_indexer:
-            target = attention_target(query, key, self.core_attention.scale, mask, self.indexer.hooks)
-            self.indexer.loss = self.indexer.loss_coeff * indexer_kl_loss(scores, target, mask)
+            target = attention_target(query, key, self.core_attention.scale, selected, self.indexer.hooks)
+            self.indexer.loss = self.indexer.loss_coeff * indexer_kl_loss(scores, target, selected)
+            if not self.indexer.sparse:
+                out = tied_to_loss(out, self.indexer.loss)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -358,7 +364,8 @@ def cached_mla(attn: MLAttention, x: torch.Tensor, cos: Optional[torch.Tensor], 
     k_nope, v = attn.kv_b_proj(latent).view(B, T, heads, -1).split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
     key = torch.cat([k_nope, k_pe.expand(B, T, heads, attn.qk_rope_head_dim)], dim=-1).transpose(1, 2)
-    if attn.indexer is not None:   # DeepSeek-V3.2: the new queries' top-k among every token's indexer keys
+    if attn.indexer is not None and attn.indexer.sparse:   # DeepSeek-V3.2: the new queries' top-k among every
+        # token's indexer keys (the dense warm-up stage attends every allowed key, as its forward)
         index_keys = cache.extend_index_keys(attn.layer_idx, attn.indexer.keys(x, cos, sin))
         allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)
     out = attn.core_attention(query, key, v.transpose(1, 2), allowed)   # [B, heads, S, d_v]

@@ -150,20 +150,26 @@ class DeepseekV3Config:
     """The lightning indexer's head width; None: 128. DSA: at least ``qk_rope_head_dim`` (its leading
     dims carry the rotary encoding; MindFormers: ``dsa_indexer_head_dim``)."""
     dsa_indexer_loss_coeff: Optional[float] = None
-    """DSA: weight of DeepSeek-V3.2's indexer loss (sparse stage), as in MindFormers and Megatron: each
-    indexer adds ``coeff * mean_t KL(p_t || softmax(I_t))`` to the training objective, t every query
-    token of the micro-batch (padded and loss-masked ones included, as there; a query with no allowed
-    key counts 0), p_t the main attention's probabilities on the query's selected keys summed over the
-    heads and L1-renormalised (detached), I_t the index scores on those keys. Every indexer counts with
+    """DSA: weight of DeepSeek-V3.2's indexer loss, as in MindFormers and Megatron: each indexer adds
+    ``coeff * mean_t KL(p_t || softmax(I_t))`` to the training objective, t every query token of the
+    micro-batch (padded and loss-masked ones included, as there; a query with no allowed key counts 0),
+    p_t the main attention's probabilities on the query's selected keys (its top-k in the sparse stage,
+    every allowed key in the dense warm-up stage: ``dsa_indexer_use_sparse_loss``) summed over the heads
+    and L1-renormalised (detached), I_t the index scores on those keys. Every indexer counts with
     weight 1, the MTP layers' too. The indexer's inputs are detached: it is trained by this loss only,
     the rest of the model by the language-model loss only. Logged as ``indexer_loss`` (the sum over the
     indexers, coefficient included; MindFormers logs the mean over the layers). None or 0: no indexer
     loss (the indexer gets no gradient)."""
     dsa_indexer_use_sparse_loss: bool = False
-    """DSA: MindFormers' training stage. True: the sparse stage (top-k attention, the indexer loss on
-    the selected keys), what lit_moe runs. False (MindFormers' default): the dense warm-up stage (dense
-    attention, every weight but the indexer's frozen, the indexer trained by its KL loss over all keys),
-    not implemented: with ``dsa`` it is refused. The ``deepseek_v32`` family sets True."""
+    """DSA: MindFormers' training stage. True: the sparse stage (each query attends its ``index_topk``
+    keys, the indexer loss over those keys). False (MindFormers' default): the dense warm-up stage, as
+    MindFormers' PyNative model runs it: the MLA attends every key the mask allows (training, evaluation
+    and generation; the indexer's selection is unused), the model freezes every parameter outside the
+    indexers at construction (the MTP layers' indexers train too; the expert biases, buffers, keep their
+    load-balancing update as there), and the indexer loss (``dsa_indexer_loss_coeff``, required > 0)
+    takes every allowed key of each query: the target is the main attention's probabilities summed over
+    the heads and L1-renormalised (detached), compared with the softmax of the index scores over the
+    same keys. The ``deepseek_v32`` family sets True."""
 
     # ------------------------------------------------------------------ grouped-query attention
     head_dim: Optional[int] = None

@@ -325,9 +325,10 @@ def validate_sparse_attention(cfg: Any, fail: Callable[[str, str], None]) -> Non
              "carry the rotary encoding")
     if cfg.dsa_indexer_loss_coeff is not None and not cfg.dsa_indexer_loss_coeff >= 0:
         fail("dsa_indexer_loss_coeff", "must be >= 0 (0 or null: no indexer loss)")
-    if not cfg.dsa_indexer_use_sparse_loss:
-        fail("dsa_indexer_use_sparse_loss", "(MindFormers' dense warm-up stage: dense attention, only the indexer "
-             "trained) is not implemented yet; set it to true (the sparse stage: top-k attention)")
+    if not cfg.dsa_indexer_use_sparse_loss and not (cfg.dsa_indexer_loss_coeff or 0) > 0:
+        fail("dsa_indexer_use_sparse_loss", "(MindFormers' default: the dense warm-up stage, which trains the "
+             "indexer only, by its loss) needs dsa_indexer_loss_coeff > 0; set it, or set "
+             "dsa_indexer_use_sparse_loss: true (the sparse stage: top-k attention)")
 def validate_v4(cfg: Any, fail: Callable[[str, str], None]) -> None:
     """The rules of DeepSeek-V4's pieces: its attention, mHC, hash routing, the SwiGLU clamp."""
     if cfg.enable_hyper_connections:

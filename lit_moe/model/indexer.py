@@ -24,6 +24,14 @@ t with selected keys S_t,
 
 with the target detached and the indexer's inputs detached from the main model, so the indexer is
 trained by L_I only and the rest of the model by the language-model loss only.
+
+MindFormers' dense warm-up stage (``dsa_indexer_use_sparse_loss: false``, its default) comes before
+the sparse stage: the MLA attends every key the mask allows (no top-k narrowing, in training,
+evaluation and generation alike), and L_I takes S_t = every allowed key of query t (p the heads' full
+attention probabilities summed and L1-renormalised, the KL against the index scores' softmax over the
+same keys). As in MindFormers' ``GPTModel`` (``freeze_for_dsa_indexer_warmup``) the model freezes every
+parameter outside the indexers at construction (:func:`freeze_all_but_indexers`), so the stage trains
+the indexers only; it needs ``dsa_indexer_loss_coeff > 0``.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ class LightningIndexer(nn.Module):
         # and cleared by the model, like the MoE balancing loss)
         self.loss_coeff = float(c.dsa_indexer_loss_coeff or 0.0)
         self.loss: Optional[torch.Tensor] = None
+        # False: MindFormers' dense warm-up stage (module docstring): the attention is dense and the
+        # loss runs over every allowed key
+        self.sparse = bool(c.dsa_indexer_use_sparse_loss)
 
     def keys(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
         """One key per token ``[B, S, D]``, rotated at the tokens' positions."""
@@ -93,9 +104,10 @@ class LightningIndexer(nn.Module):
                 sin: Optional[torch.Tensor], allowed: Any, with_grad: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(selected, scores)``: ``allowed`` (``[B or 1, 1, S, S]``, None: causal) narrowed to each
-        query's top-k keys, and the index scores ``[B, S, S_k]`` (fp32; with autograd when ``with_grad``,
-        for the indexer loss). With ``hooks.indexer_keys`` (context parallel) the keys are the whole
-        sequence's and ``selected`` ``[B or 1, 1, S, S_k]`` has a column per key of the whole sequence."""
+        query's top-k keys (the dense warm-up stage: not narrowed), and the index scores ``[B, S, S_k]``
+        (fp32; with autograd when ``with_grad``, for the indexer loss). With ``hooks.indexer_keys``
+        (context parallel) the keys are the whole sequence's and ``selected`` ``[B or 1, 1, S, S_k]``
+        has a column per key of the whole sequence."""
         B, S, _ = x.shape
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
             k = self.keys(x, cos, sin)
@@ -104,7 +116,7 @@ class LightningIndexer(nn.Module):
             elif allowed is None:
                 allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
             index_scores = self.scores(x, q_latent, cos, sin, k)
-        return self.select(index_scores, allowed), index_scores
+        return (self.select(index_scores, allowed) if self.sparse else allowed), index_scores
 
     @torch.no_grad()
     def select(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -151,3 +163,37 @@ def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, selected: torch.
     log_p = target.clamp_min(torch.finfo(target.dtype).tiny).log()
     kl = (target * (log_p - log_q)).masked_fill(~sel, 0.0).sum(-1)
     return kl.mean()
+
+
+class _TiedToLoss(torch.autograd.Function):
+    """Forward: ``out`` unchanged (the same storage). Backward: ``out``'s gradient, none for ``loss``."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def tied_to_loss(out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """The dense warm-up stage: the attention output ``out``, made part of autograd through the indexer
+    ``loss`` (no gradient reaches the loss this way: the objective adds it). Every other weight being
+    frozen, nothing else would make the layer's output require grad, and a layout's backward hooks on
+    it would not run: FSDP's re-gather of the layer's weights (the indexer's among them) before its
+    backward. MindFormers ties the loss to the attention output the same way
+    (``_IndexerLossAutoScaler``). The cost: the backward runs through the frozen layers' activations."""
+    return _TiedToLoss.apply(out, loss)
+
+
+def freeze_all_but_indexers(model: nn.Module) -> int:
+    """MindFormers' dense warm-up stage: ``requires_grad`` off for every parameter of ``model`` outside
+    its :class:`LightningIndexer` modules (the MTP layers' indexers train too), so the optimizer holds
+    the indexers alone; returns the number of frozen tensors. Buffers (the MoE expert biases) are not
+    parameters: their load-balancing update goes on, as in MindFormers."""
+    trained = {id(p) for m in model.modules() if isinstance(m, LightningIndexer) for p in m.parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in trained]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)

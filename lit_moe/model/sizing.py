@@ -20,7 +20,7 @@ training = 3 × forward, hence the factor 6 = 2 · 3):
 - core attention per layer: 6·(n·d_qk/2 + n·d_v/2)·s_eff, where s_eff = s for causal attention (the /2
   is the causal discount) and, for a sliding-window layer of left size w, s_eff = 2·mean_i min(i+1, w+1)
   (with DeepSeek-V3.2's indexer min(i+1, index_topk): the architecture's count, although lit_moe runs
-  the attention dense under the top-k mask);
+  the attention dense under the top-k mask; not in its dense warm-up stage, which attends every key);
 - DeepSeek-V3.2's indexer per layer, forward only (it gets no gradient): 2·(r_q·n_i·d_i + h·d_i + h·n_i)
   for its projections + 2·n_i·d_i·s/2 for the causal scores;
 - MLP: 6·h·3F per dense layer; 6·h·3·F_e·(K + shared multiple) per MoE layer (router GEMM ignored);
@@ -119,7 +119,8 @@ def param_counts(config: Union[DeepseekV3Config, dict]) -> ParamCounts:
 
 def _effective_span(c: DeepseekV3Config, layer: int, seq_len: int) -> float:
     """s_eff: twice the mean number of keys a query sees (= seq_len for full causal attention)."""
-    limits = [c.index_topk] if c.sparse_attention else []   # the indexer's top-k keys
+    # the indexer's top-k keys (the dense warm-up stage attends every key)
+    limits = [c.index_topk] if c.sparse_attention and c.dsa_indexer_use_sparse_loss else []
     if c.uses_window(layer) and c.window_size[0] >= 0:
         limits.append(c.window_size[0] + 1)
     w = min(limits, default=seq_len)

@@ -28,7 +28,7 @@ from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.decoder import block_norm
 from lit_moe.model.hooks import ModelHooks
 from lit_moe.model.hyper_connections import build_collapse, build_decoder_layer, expand_streams
-from lit_moe.model.indexer import LightningIndexer
+from lit_moe.model.indexer import LightningIndexer, freeze_all_but_indexers
 from lit_moe.model.loss import masked_cross_entropy
 from lit_moe.model.moe import MoE
 from lit_moe.model.mtp import MTPLayer
@@ -95,6 +95,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self._main_moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
         self._mtp_moe = [m for mtp in self.mtp for m in mtp.modules() if isinstance(m, MoE)]
         self._indexers = [m for m in self.modules() if isinstance(m, LightningIndexer)]   # MTP layers' too
+        if c.sparse_attention and not c.dsa_indexer_use_sparse_loss:   # DeepSeek-V3.2's dense warm-up stage
+            freeze_all_but_indexers(self)
         for part in self.modules():   # every part with hooks (blocks, MoE layers, indexers) shares the model's
             if isinstance(getattr(part, "hooks", None), ModelHooks):
                 part.hooks = self.hooks

@@ -111,6 +111,8 @@ class PipelineRunner:
         if not (c.is_first or c.is_last) or c.embed_tokens is None:
             return
         for p in _embedding_params(c):
+            if not p.requires_grad:   # frozen (LoRA, DeepSeek-V3.2's dense warm-up): a zero gradient
+                continue              # would let weight decay move it
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local_tensor(p.grad), group=self.embedding_group)

@@ -47,10 +47,16 @@ model, and only attention sees the other ranks' tokens.
   attention (``colossal``) meets the selection's rows as they are; under ``ulysses`` and
   ``hybrid`` the query rows of the ulysses group are all-gathered over it (a boolean
   ``[B, 1, u·S/cp, S]``), so each rank masks its heads' attention over the group's queries with
-  the selection made where each query lives (:func:`_gathered_rows`). Its loss (``colossal``
-  only) compares each of the rank's queries with the main attention over the gathered keys
+  the selection made where each query lives (:func:`_gathered_rows`). Its loss (every method)
+  compares each of the rank's queries with the main attention over the gathered keys
   (``hooks.indexer_target_keys``); every rank has as many queries, so the mean of the ranks' means
   is the sequence's, and the keys' gradients go back to their ranks through the gather's backward.
+  The target is made in the MLA's forward from the query and key of the rank's own tokens with
+  all their heads, before (outside) the ulysses all-to-all, so under ``ulysses`` and ``hybrid`` too
+  it sums every head of a query on the query's rank and needs no reduction over the ulysses group
+  (under tensor parallel, only over the tp ranks: ``hooks.head_sum``). The price: the keys of all
+  heads are gathered once more over cp for it (no autograd, one layer at a time), as under
+  ``colossal``, where ulysses' attention itself holds ``heads/u`` of them.
 * **DeepSeek-V4's attention** (one key/value head, sliding window, compressed windows that cross the
   chunks): each layer all-gathers the hidden states over cp (backward: reduce-scatter) and computes
   its keys and compressed entries over the whole sequence, its queries on the rank's own tokens,

@@ -498,13 +498,6 @@ def check_parallel_layout(p: Any, dims: ParallelDims, model_config: Any) -> None
             per_tp = f" ({heads // dims.tp} per tensor-parallel rank)" if dims.tp > 1 else ""
             raise ParallelismError(f"parallelism.ulysses_degree_in_cp: num_attention_heads ({heads}){per_tp} must be "
                                    f"divisible by ulysses_degree ({degree}).")
-        if degree > 1 and getattr(model_config, "dsa_indexer_loss_coeff", None):
-            # its target sums the main attention over every head of a query: 'colossal' keeps them on
-            # the query's rank, an all-to-all spreads them over the ulysses group
-            raise ParallelismError(
-                f"model.dsa_indexer_loss_coeff: {model_config.dsa_indexer_loss_coeff} (DeepSeek-V3.2's indexer loss) "
-                f"is not implemented with context_parallel_method {p.context_parallel_method!r}; use 'colossal' or "
-                "set it to 0")
 
 
 def gradient_divide_factors(p: Any, dims: ParallelDims) -> tuple[Optional[float], Optional[float]]:
