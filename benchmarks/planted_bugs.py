@@ -883,6 +883,10 @@ BUGS: list[Bug] = [
     Bug("v32_warmup_output_not_tied", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/model/attention.py",
         "                out = tied_to_loss(out, self.indexer.loss)\n", "                pass\n",
         ("tests/test_step_layouts.py", "-k", "v32_warmup_tp2")),
+    Bug("v32_warmup_with_lora_accepted", "families (DeepSeek-V3.2 dense warm-up)", "lit_moe/cli.py",
+        "    if cfg.get(\"lora_config\") and model_config.sparse_attention and not model_config.dsa_indexer_use_sparse_loss:",
+        "    if False:",
+        ("tests/test_deepseek_v32.py", "-k", "warm_up_with_lora")),
     Bug("pp_frozen_embedding_zero_grad", "PP (DeepSeek-V3.2 dense warm-up)", "lit_moe/pipeline/runner.py",
         "            if not p.requires_grad:   # frozen (LoRA, DeepSeek-V3.2's dense warm-up): a zero gradient\n"
         "                continue              # would let weight decay move it\n", "",

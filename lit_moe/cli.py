@@ -355,6 +355,10 @@ def build_run(cfg: Any) -> Run:
     build_lr_lambda(lr_section, training.steps)  # validates the schedule section
     _check_optimizer(optimizer_section, dims, cfg.get("lora_config"))
     check_name_keys(model_config, optimizer_section, cfg.get("lora_config"), monitor)
+    if cfg.get("lora_config") and model_config.sparse_attention and not model_config.dsa_indexer_use_sparse_loss:
+        # the warm-up stage trains the indexers alone; LoRA would freeze them with the rest of the base
+        raise ConfigError("lora_config: not with DeepSeek-V3.2's dense warm-up stage (model.dsa_indexer_use_sparse_loss: "
+                          "false trains the indexers only, which LoRA would freeze); drop one of them")
 
     from lit_moe.checkpoint import build_checkpoint_callback
     from lit_moe.checkpoint.callback import check_hf_export

@@ -420,3 +420,20 @@ def test_dense_warm_up_attends_every_key_and_trains_the_indexers_only(tmp_path):
         forward_step(m, x[:1, :SEQ - 1], positions[:, :SEQ - 1], valid[:, :SEQ - 1], cache)
         step = forward_step(m, x[:1, SEQ - 1:], positions[:, SEQ - 1:], valid, cache)
     assert (step - ours[:1, -1]).abs().max().item() <= 1e-5   # measured 1.3e-6
+
+
+def test_dense_warm_up_with_lora_is_one_line(tmp_path, capsys):
+    """LoRA freezes every base weight, the indexers too: with the warm-up stage (which trains the indexers
+    only) nothing the stage trains would move. One line naming both keys, no run."""
+    from helpers import tiny_config, write_config
+
+    from lit_moe.cli import main
+
+    cfg = tiny_config(tmp_path, steps=1)
+    cfg["model"] = {**V32, **WARM_UP, "model_type": "deepseek_v32", "experimental_attention_variant": "dsa",
+                    "seq_length": cfg["model"]["seq_length"]}
+    cfg["lora_config"] = {"target_modules": "o_proj", "lora_rank": 2}
+    code = main(["fit", "--config", str(write_config(tmp_path, cfg)), "--trainer.accelerator", "cpu"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert "lora_config" in err[0] and "dsa_indexer_use_sparse_loss" in err[0], err
