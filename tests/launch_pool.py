@@ -118,25 +118,31 @@ def run(argv: Sequence[str], *, env: dict, cwd: Path | str, timeout: float) -> s
 
 
 def torchrun_env(rank: int, world: int, port: int, run_id: str) -> dict:
-    """The variables ``torchrun --standalone`` gives worker ``rank`` of a one-node job (the workers
-    create the TCP store themselves: ``TORCHELASTIC_USE_AGENT_STORE`` false)."""
+    """The variables ``torchrun --standalone`` gives worker ``rank`` of a one-node job: ``MASTER_PORT``
+    is the agent's store, which the workers join as clients (``TORCHELASTIC_USE_AGENT_STORE``), so a
+    process that fits twice rendezvouses afresh each time as under torchrun (lit_moe.runtime.elastic)."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_USE_AGENT_STORE": "False"}
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 class Ranks:
     """``torchrun --standalone --nproc_per_node=WORLD ARGV`` started: each rank a forked child with
-    torchrun's variables, its output in a file of a temporary directory. ``wait`` ends it."""
+    torchrun's variables, its output in a file of a temporary directory; this process holds the agent's
+    TCP store (on a port it bound itself: no port race). ``wait`` ends it."""
 
     def __init__(self, world: int, argv: Sequence[str], *, env: dict, cwd: Path | str):
-        from helpers import _port_nobody_holds
+        from datetime import timedelta
+
+        import torch.distributed as dist
 
         self.argv = list(argv)
         self.where = tempfile.TemporaryDirectory(prefix="lit_moe_ranks_")
-        port = _port_nobody_holds()
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=900))
+        port = self.store.port
         self.logs = [Path(self.where.name) / f"rank{r}.log" for r in range(world)]
         self.children = [_Child(argv, {**env, **torchrun_env(r, world, port, f"pool_{port}")}, cwd, self.logs[r])
                          for r in range(world)]
@@ -159,6 +165,7 @@ class Ranks:
             self.stop()
         text = self.output()
         self.where.cleanup()
+        self.store = None
         code = next((c.code for c in self.children if c.code != 0), 0)
         return subprocess.CompletedProcess(["torchrun", *self.argv], code, text, "")
 
@@ -172,12 +179,7 @@ class Ranks:
 
 def run_ranks(world: int, argv: Sequence[str], *, env: dict, cwd: Path | str, timeout: float
               ) -> subprocess.CompletedProcess:
-    """``Ranks(...).wait(timeout)``; a master port taken before rank 0 binds it (the static
-    rendezvous's race) is retried on another."""
-    for _ in range(3):
-        proc = Ranks(world, argv, env=env, cwd=cwd).wait(timeout)
-        if proc.returncode == 0 or not ("EADDRINUSE" in proc.stdout or "ddress already in use" in proc.stdout):
-            return proc
+    """``Ranks(...).wait(timeout)``."""
     return Ranks(world, argv, env=env, cwd=cwd).wait(timeout)
 
 
