@@ -64,11 +64,14 @@ class _Child:
     """One forked child: its pid (a session leader) and, once it ends, its exit status."""
 
     def __init__(self, argv: Sequence[str], env: dict, cwd: Path | str, out: Path, err: Path | None = None):
+        if not os.path.isdir(cwd):   # as subprocess refuses it, before anything starts
+            raise FileNotFoundError(f"no such directory: {cwd}")
         self.conn = _connect()
         request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "out": str(out), "err": str(err or out)}
         self.conn.sendall(json.dumps(request).encode() + b"\n")
         self.replies = b""
         self.pid = int(self._reply(None))
+        assert self.pid > 0, self.pid    # (a kill of group 0 would end the test process's own group)
         self.code: int | None = None
 
     def _reply(self, timeout: float | None) -> str | None:
@@ -148,17 +151,19 @@ class Ranks:
                          for r in range(world)]
 
     def wait(self, timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess:
-        """The exit status is a failing rank's (0 when all succeed), ``stdout`` every rank's output, rank
-        by rank. When a rank fails the others get ``grace`` seconds to print what they reached, then are
+        """The exit status is the first failing rank's (0 when all succeed), ``stdout`` every rank's output,
+        rank by rank. When a rank fails the others get ``grace`` seconds to print what they reached, then are
         killed, as torchrun's agent stops the group."""
         end, failed_at = time.monotonic() + timeout, None
         try:
-            while any(c.poll(0.05) is None for c in self.children):
+            # every child polled each round (a failed rank must be seen while its peer still runs)
+            while None in [c.poll(0.05 / len(self.children)) for c in self.children]:
                 now = time.monotonic()
                 if now > end:
                     raise subprocess.TimeoutExpired(["torchrun", *self.argv], timeout, output=self.output())
-                if failed_at is None and any(c.code not in (None, 0) for c in self.children):
-                    failed_at = now
+                failed = [c.code for c in self.children if c.code not in (None, 0)]
+                if failed_at is None and failed:
+                    failed_at, first_failure = now, failed[0]
                 if failed_at is not None and now > failed_at + grace:
                     break
         finally:
@@ -166,7 +171,7 @@ class Ranks:
         text = self.output()
         self.where.cleanup()
         self.store = None
-        code = next((c.code for c in self.children if c.code != 0), 0)
+        code = first_failure if failed_at is not None else next((c.code for c in self.children if c.code != 0), 0)
         return subprocess.CompletedProcess(["torchrun", *self.argv], code, text, "")
 
     def stop(self) -> None:
@@ -267,11 +272,14 @@ def serve(path: str) -> None:
             request = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                listener.close()
-                conn.close()
-                for other in running.values():
-                    other.close()
-                _become(request["argv"], request["env"], request["cwd"], request["out"], request["err"])
+                try:   # the child never returns into this loop, whatever fails
+                    listener.close()
+                    conn.close()
+                    for other in running.values():
+                        other.close()
+                    _become(request["argv"], request["env"], request["cwd"], request["out"], request["err"])
+                finally:
+                    os._exit(1)
             running[pid] = conn
             conn.sendall(f"{pid}\n".encode())
         for pid in list(running):
