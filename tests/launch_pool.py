@@ -217,6 +217,9 @@ def _become(argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
     code = 0
     try:
         if argv[0] == "-m":
+            # as ``python -m``: the module runs as ``__main__`` only (its preloaded copy stays out of the way;
+            # what it imports is still preloaded)
+            sys.modules.pop(argv[1], None)
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
