@@ -422,8 +422,8 @@ BUGS: list[Bug] = [
         "ids, positions = token[:, None], positions[:, -1:]",
         ("tests/test_predict.py", "-k", "greedy_equals")),
     Bug("left_pad_positions_from_batch_start", "generation", "lit_moe/model/generate.py",
-        "positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)",
-        "positions = torch.arange(valid.shape[1], device=device).expand_as(valid)",
+        "    positions = token_positions(valid)\n",
+        "    positions = torch.arange(valid.shape[1], device=device).expand_as(valid)\n",
         ("tests/test_predict.py", "-k", "left_padding")),
     Bug("pad_keys_visible", "generation", "lit_moe/model/generate.py",
         "return (((q >= k) & valid[:, None, :]) | (q == k))[:, None]",
@@ -440,7 +440,7 @@ BUGS: list[Bug] = [
         "generator = torch.Generator(device=device).manual_seed(seed)", "generator = None",
         ("tests/test_predict.py", "-k", "seeded")),
     Bug("tp_attention_heads_not_summed", "generation (tp)", "lit_moe/model/generate.py",
-        'h = h + (attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out)', "h = h + out",
+        'return attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out', "return out",
         ("tests/test_predict.py", "-k", "tp_and_ep")),
     Bug("tp_partial_sums_kept", "generation (tp)", "lit_moe/strategies/tensor_parallel.py",
         "            else functools.partial(comm.all_reduce, group=group))",
@@ -796,9 +796,33 @@ BUGS: list[Bug] = [
         "        allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         "        attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         ("tests/test_predict.py", "-k", "dsa_cache")),
-    Bug("predict_gqa_accepted", "predict (refusals)", "lit_moe/tools/predict.py",
-        "    if not config.multi_latent_attention:\n", "    if False:\n",
-        ("tests/test_predict.py", "-k", "refuses_the_families")),
+    Bug("predict_window_accepted", "predict (refusals)", "lit_moe/tools/predict.py",
+        "    if config.window_size is not None:\n", "    if False:\n",
+        ("tests/test_predict.py", "-k", "refuses_a_sliding_window")),
+    # ... grouped-query attention's key/value cache (Qwen3-MoE, GLM-4-MoE)
+    Bug("gqa_predict_cache_written_first", "predict (GQA)", "lit_moe/model/generate.py",
+        "    k, v = cache.extend(attn.layer_idx, k, v)                    # [B, T, kv_heads, d]\n",
+        "    k, v = (torch.cat([t[:, -S:], t[:, :-S]], dim=1) for t in cache.extend(attn.layer_idx, k, v))\n",
+        ("tests/test_predict.py", "-k", "gqa_greedy")),
+    Bug("gqa_predict_key_cached_before_qk_norm", "predict (GQA)", "lit_moe/model/generate.py",
+        "    k = attn.k_norm(attn.k_proj(x).view(B, S, -1, attn.head_dim))\n"
+        "    v = attn.v_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    if attn.use_rope:\n"
+        "        q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "        k = apply_rotary_half(k, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "    k, v = cache.extend(attn.layer_idx, k, v)                    # [B, T, kv_heads, d]\n",
+        "    k = attn.k_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    v = attn.v_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    if attn.use_rope:\n"
+        "        q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "        k = apply_rotary_half(k, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "    k, v = cache.extend(attn.layer_idx, k, v)\n"
+        "    k = attn.k_norm(k)\n",
+        ("tests/test_predict.py", "-k", "gqa_cache or gqa_greedy")),
+    Bug("gqa_predict_rotary_offset_missing", "predict (GQA)", "lit_moe/model/generate.py",
+        "        cos, sin = rotary_cos_sin(config, positions)\n",
+        "        cos, sin = rotary_cos_sin(config, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))\n",
+        ("tests/test_predict.py", "-k", "gqa_cache or gqa_greedy")),
     # ---------------------------------------------------------------- plan: TP's sequence split, selective recompute
     Bug("plan_sequence_split_ignored", "plan memory", "lit_moe/strategies/activation_memory.py",
         '    T, H, Tl = tokens, c.hidden_size, tokens // tp\n    a = _bytes(c.torch_dtype("compute_dtype"))\n'
