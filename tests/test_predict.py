@@ -235,6 +235,54 @@ def test_gqa_greedy_equals_transformers_generate(exported_gqa):
     assert ended[2] == ours[2][:ours[2].index(eos) + 1]
 
 
+# DeepSeek-V4 (the family tests' model: sliding, CSA with its indexer (top 3 entries), HCA layers; 3 mHC streams;
+# 2 hash-routed layers) with 8 indexer heads: with 2, a score is often exactly 0 (every head's ReLU), and the
+# top-k among tied zeros is the kernel's choice, which a forward of 20 queries and a step of one may make apart
+# (transformers' alike)
+V4_PROMPTS = [[5, 17, 99, 3, 42, 8, 77], [11, 2, 64], [100, 7, 30]]
+
+
+@pytest.fixture(scope="module")
+def exported_v4(tmp_path_factory):
+    from test_family_v4 import V4, ours_model
+
+    tmp = tmp_path_factory.mktemp("predict_v4")
+    m = ours_model(dict(V4, index_n_heads=8))
+    m.save_pretrained(tmp / "hf")
+    return tmp, m
+
+
+def test_v4_cached_steps_equal_the_full_forward(exported_v4):
+    """DeepSeek-V4: after a 3-token prefill (no compressed window complete yet) each cached step's logits
+    equal an uncached forward of the text so far, through 24 tokens (CSA entries at 4, 8, ...: the
+    indexer choosing 3 of up to 6; HCA entries at 8 and 16; the 6-token sliding window moving on); the
+    cache holds each layer's rotated key/values [B, T, head_dim] and its attention inputs [B, T, hidden]."""
+    _, m = exported_v4
+    text = torch.tensor([V4_PROMPTS[0] + [9, 4, 50, 17, 3, 8, 99, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    cache, worst = cached_steps_against_full_forwards(m, text, prefill=3)
+    assert worst <= 3e-5   # measured 3.6e-6 (logits up to 2.6)
+    c = m.config
+    assert sorted(cache.layers) == list(range(c.num_hidden_layers))
+    assert all(kv.shape == (1, 24, c.gqa_head_dim) and x.shape == (1, 24, c.hidden_size)
+               for kv, x in cache.layers.values())
+
+
+def test_v4_greedy_equals_transformers_generate(exported_v4):
+    """DeepSeek-V4's greedy tokens (16 new) are transformers' ``DeepseekV4ForCausalLM.generate``'s (its
+    sliding-window, compressor and indexer caches) on the same weights: the two 3-token prompts as one
+    batch, the 7-token one alone (V4 batches prompts of one length only); an end-of-sequence token ends
+    its row."""
+    tmp, m = exported_v4
+    ours = generate(m, V4_PROMPTS, 16, pad_id=0)
+    assert [ours[0]] == hf_generate(tmp / "hf", V4_PROMPTS[:1], 16, pad=0, eos=-1, cls="DeepseekV4ForCausalLM")
+    assert ours[1:] == hf_generate(tmp / "hf", V4_PROMPTS[1:], 16, pad=0, eos=-1, cls="DeepseekV4ForCausalLM")
+    assert len({tuple(r) for r in ours}) == 3 and all(len(set(r)) > 4 for r in ours)
+    eos = ours[2][5]
+    ended = generate(m, V4_PROMPTS[1:], 16, pad_id=0, eos_id=eos)
+    assert ended == hf_generate(tmp / "hf", V4_PROMPTS[1:], 16, pad=0, eos=eos, cls="DeepseekV4ForCausalLM")
+    assert ended[1] == ours[2][:ours[2].index(eos) + 1]
+
+
 def test_predict_refuses_a_sliding_window():
     """What the cached decoder does not run is refused by name."""
     from lit_moe.config import ConfigError
@@ -325,7 +373,8 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     of the Hugging Face directory, and under tp2·ep2 also of our own checkpoint): rank 0 alone prints,
     greedy tokens are transformers' (as in one process), and seeded sampling draws one process's tokens.
     GLM-4-MoE (grouped-query attention: each rank caches the keys and values of its one key/value head)
-    under tp2·ep2 too: transformers' greedy tokens."""
+    and DeepSeek-V4 (each rank its heads and sinks, the replicated compressors and mHC streams, hash-routed
+    experts over the ep ranks) under tp2·ep2 too: transformers' greedy tokens."""
     import subprocess
 
     from test_checkpoint_hf import _save_iteration
@@ -333,15 +382,19 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     tmp, m = exported
     if not (tmp / "ckpt").exists():
         _save_iteration(m, tmp / "ckpt")
+    from test_family_v4 import V4, ours_model
+
     (tmp / "glm4").mkdir(exist_ok=True)
     gqa_model(tmp / "glm4", "glm4_moe")
+    v4 = dict(V4, index_n_heads=8, vocab_size=300)   # the byte tokenizer's ids
+    ours_model(v4).save_pretrained(tmp / "v4" / "hf")
     texts = ["It is a truth", "Mr. D", "Emma"]
     configs = [str(write_config(tmp, {"model": model_section(tmp), "parallelism": LAYOUTS[name]}, f"{name}.yaml"))
                for name in LAYOUTS]
-    glm4 = write_config(tmp, {"model": gqa_section(tmp, "glm4_moe"), "parallelism": LAYOUTS["tp2_ep2"]},
-                        "glm4_tp2_ep2.yaml")
+    families = [f"{write_config(tmp, {'model': section, 'parallelism': LAYOUTS['tp2_ep2']}, f'{name}_tp2_ep2.yaml')}"
+                f"::{tmp / name / 'hf'}" for name, section in (("glm4", gqa_section(tmp, "glm4_moe")), ("v4", v4))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), str(tmp / "glm4" / "hf"), str(glm4), *configs]
+           "--worker", str(tmp / "hf"), str(tmp / "ckpt"), *families, *configs]
     proc = subprocess.run(cmd, cwd=tmp, env=child_env(ROOT / "tests"), capture_output=True, text=True,
                           timeout=scaled(600))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -356,20 +409,24 @@ def test_predict_under_tp_and_ep_equals_one_process(exported):
     greedy = hf_generate(tmp / "hf", byte_ids, 8, pad=256, eos=256)
     sampled = generate(m, byte_ids, 8, pad_id=256, eos_id=256, temperature=1.5, top_p=0.9, seed=3)
     assert sampled != greedy
-    expected_runs = [f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")] + ["ckpt_tp2_ep2_greedy",
-                                                                                         "glm4_tp2_ep2_greedy"]
+    expected_runs = [f"{n}_{mode}" for n in LAYOUTS for mode in ("greedy", "sampled")] + [
+        "ckpt_tp2_ep2_greedy", "glm4_tp2_ep2_greedy", "v4_tp2_ep2_greedy"]
     assert sorted(runs) == sorted(expected_runs), proc.stdout
     assert runs["ckpt_tp2_ep2_greedy"] == greedy
     glm4_greedy = hf_generate(tmp / "glm4" / "hf", byte_ids, 8, pad=256, eos=256, cls="Glm4MoeForCausalLM")
     assert runs["glm4_tp2_ep2_greedy"] == glm4_greedy and glm4_greedy != greedy
+    # V4: each prompt alone (its own length)
+    v4_greedy = [hf_generate(tmp / "v4" / "hf", [ids], 8, pad=256, eos=256, cls="DeepseekV4ForCausalLM")[0]
+                 for ids in byte_ids]
+    assert runs["v4_tp2_ep2_greedy"] == v4_greedy and v4_greedy != greedy
     for name in LAYOUTS:
         assert runs[f"{name}_greedy"] == greedy, name      # three rows each: rank 1 printed nothing
         assert runs[f"{name}_sampled"] == sampled, name
 
 
-def _worker(hf_dir: str, ckpt_dir: str, gqa_dir: str, gqa_config: str, configs: list[str]) -> None:
+def _worker(hf_dir: str, ckpt_dir: str, configs: list[str]) -> None:
     """Under torchrun: ``lit_moe predict`` on each config, greedy then sampled, the last config on our
-    checkpoint, and the grouped-query config on its directory, in one process group."""
+    checkpoint, and each ``CONFIG::DIR`` of another family greedy on its directory, in one process group."""
     import os
 
     import torch.distributed as dist
@@ -377,9 +434,11 @@ def _worker(hf_dir: str, ckpt_dir: str, gqa_dir: str, gqa_config: str, configs: 
     dist.init_process_group("gloo")
     from lit_moe.runtime.distributed import release_process_groups_at_exit
     release_process_groups_at_exit()  # no gloo thread outlives the interpreter
+    families = [tuple(c.split("::")) for c in configs if "::" in c]
+    configs = [c for c in configs if "::" not in c]
     runs = [(config, hf_dir, mode, extra) for config in configs
-            for mode, extra in (("greedy", []), ("sampled", SAMPLING))] + [(configs[-1], ckpt_dir, "greedy", []),
-                                                                            (gqa_config, gqa_dir, "greedy", [])]
+            for mode, extra in (("greedy", []), ("sampled", SAMPLING))] + [(configs[-1], ckpt_dir, "greedy", [])]
+    runs += [(config, directory, "greedy", []) for config, directory in families]
     for config, checkpoint, mode, extra in runs:
         if os.environ["RANK"] == "0":
             source = "ckpt_" if checkpoint == ckpt_dir else ""
@@ -418,4 +477,4 @@ def test_save_hf_at_end_is_checked_before_training(tmp_path, capsys, case):
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:])
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4:])

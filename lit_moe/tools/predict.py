@@ -3,7 +3,8 @@
 Generates text from a trained model in one process (or several, below): the model of the config's
 ``model`` section with the weights of ``--checkpoint`` (a ``save_path``, an iteration directory
 written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with a cache of the past tokens
-(:mod:`lit_moe.model.generate`: MLA's compressed latent, grouped-query attention's keys and values). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
+(:mod:`lit_moe.model.generate`: MLA's compressed latent, grouped-query attention's keys and values, DeepSeek-V4's
+key/values and compressor inputs). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
 Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
 
 The tokenizer is the run's: ``--tokenizer`` (``byte``, ``builtin:NAME``, a ``tokenizer.json`` or a
@@ -182,13 +183,6 @@ def check_model(config) -> None:
     """What the cached decoder does not implement, refused before anything runs."""
     if config.window_size is not None:
         raise ConfigError(f"model.window_size: {config.window_size!r}: predict has no sliding-window cache")
-    if getattr(config, "v4_attention", False):
-        raise ConfigError("model.experimental_attention_variant: 'dsv4_hybrid': predict has no cache of DeepSeek-V4's "
-                          "attention (compressed keys, sliding window) yet")
-    for name in ("enable_hyper_connections", "num_hash_layers"):
-        if getattr(config, name, None):
-            raise ConfigError(f"model.{name}: {getattr(config, name)!r}: predict does not run DeepSeek-V4's mHC "
-                              "streams or hash routing yet")
     if getattr(config, "moe_expert_capacity_factor", None):
         raise ConfigError("model.moe_expert_capacity_factor: token dropping would make a batch's outputs depend on "
                           "its other prompts; predict needs it null")
