@@ -445,8 +445,8 @@ BUGS: list[Bug] = [
         "ids, positions = token[:, None], positions[:, -1:]",
         ("tests/test_predict.py", "-k", "greedy_equals")),
     Bug("left_pad_positions_from_batch_start", "generation", "lit_moe/model/generate.py",
-        "positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)",
-        "positions = torch.arange(valid.shape[1], device=device).expand_as(valid)",
+        "    positions = token_positions(valid)\n",
+        "    positions = torch.arange(valid.shape[1], device=device).expand_as(valid)\n",
         ("tests/test_predict.py", "-k", "left_padding")),
     Bug("pad_keys_visible", "generation", "lit_moe/model/generate.py",
         "return (((q >= k) & valid[:, None, :]) | (q == k))[:, None]",
@@ -463,7 +463,7 @@ BUGS: list[Bug] = [
         "generator = torch.Generator(device=device).manual_seed(seed)", "generator = None",
         ("tests/test_predict.py", "-k", "seeded")),
     Bug("tp_attention_heads_not_summed", "generation (tp)", "lit_moe/model/generate.py",
-        'h = h + (attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out)', "h = h + out",
+        'return attn.reduce_scatter(out) if hasattr(attn, "reduce_scatter") else out', "return out",
         ("tests/test_predict.py", "-k", "tp_and_ep")),
     Bug("tp_partial_sums_kept", "generation (tp)", "lit_moe/strategies/tensor_parallel.py",
         "            else functools.partial(comm.all_reduce, group=group))",
@@ -900,9 +900,55 @@ BUGS: list[Bug] = [
         "        allowed = attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         "        attn.indexer.select(attn.indexer.scores(x, q_latent, cos, sin, index_keys), allowed)",
         ("tests/test_predict.py", "-k", "dsa_cache")),
-    Bug("predict_gqa_accepted", "predict (refusals)", "lit_moe/tools/predict.py",
-        "    if not config.multi_latent_attention:\n", "    if False:\n",
-        ("tests/test_predict.py", "-k", "refuses_the_families")),
+    Bug("predict_window_accepted", "predict (refusals)", "lit_moe/tools/predict.py",
+        "    if config.window_size is not None:\n", "    if False:\n",
+        ("tests/test_predict.py", "-k", "refuses_a_sliding_window")),
+    # ... grouped-query attention's key/value cache (Qwen3-MoE, GLM-4-MoE)
+    Bug("gqa_predict_cache_written_first", "predict (GQA)", "lit_moe/model/generate.py",
+        "    k, v = cache.extend(attn.layer_idx, k, v)                    # [B, T, kv_heads, d]\n",
+        "    k, v = (torch.cat([t[:, -S:], t[:, :-S]], dim=1) for t in cache.extend(attn.layer_idx, k, v))\n",
+        ("tests/test_predict.py", "-k", "gqa_greedy")),
+    Bug("gqa_predict_key_cached_before_qk_norm", "predict (GQA)", "lit_moe/model/generate.py",
+        "    k = attn.k_norm(attn.k_proj(x).view(B, S, -1, attn.head_dim))\n"
+        "    v = attn.v_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    if attn.use_rope:\n"
+        "        q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "        k = apply_rotary_half(k, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "    k, v = cache.extend(attn.layer_idx, k, v)                    # [B, T, kv_heads, d]\n",
+        "    k = attn.k_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    v = attn.v_proj(x).view(B, S, -1, attn.head_dim)\n"
+        "    if attn.use_rope:\n"
+        "        q = apply_rotary_half(q, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "        k = apply_rotary_half(k, cos[:, :, None], sin[:, :, None], attn.use_fused_rope)\n"
+        "    k, v = cache.extend(attn.layer_idx, k, v)\n"
+        "    k = attn.k_norm(k)\n",
+        ("tests/test_predict.py", "-k", "gqa_cache or gqa_greedy")),
+    Bug("gqa_predict_rotary_offset_missing", "predict (GQA)", "lit_moe/model/generate.py",
+        "        cos, sin = rotary_cos_sin(config, positions)\n",
+        "        cos, sin = rotary_cos_sin(config, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))\n",
+        ("tests/test_predict.py", "-k", "gqa_cache or gqa_greedy")),
+    # ... DeepSeek-V4's cache (rotated key/values, the layer inputs the compressors pool), mHC streams, hash routing
+    Bug("v4_predict_compressor_on_new_tokens_only", "predict (DeepSeek-V4)", "lit_moe/model/generate.py",
+        "        entries = attn.compressor(keys_x)\n", "        entries = attn.compressor(x)\n",
+        ("tests/test_predict.py", "-k", "v4_cached")),
+    Bug("v4_predict_rotary_offset_missing", "predict (DeepSeek-V4)", "lit_moe/model/generate.py",
+        "    cos, sin = rotary_angles(positions, attn.rope_dim, attn.theta)\n",
+        "    cos, sin = rotary_angles(positions - positions[:, :1], attn.rope_dim, attn.theta)\n",
+        ("tests/test_predict.py", "-k", "v4_cached")),
+    Bug("v4_predict_hash_routing_by_other_ids", "predict (DeepSeek-V4)", "lit_moe/model/generate.py",
+        "    ctx.input_ids = ids\n", "    ctx.input_ids = torch.zeros_like(ids)\n",
+        ("tests/test_predict.py", "-k", "v4_cached")),
+    Bug("v4_predict_one_stream_to_the_head", "predict (DeepSeek-V4)", "lit_moe/model/generate.py",
+        "model.norm(model.streams_out(h[:, -1:]))", "model.norm(h[:, -1:, 0] if h.dim() == 4 else h[:, -1:])",
+        ("tests/test_predict.py", "-k", "v4_cached")),
+    Bug("v4_predict_padded_batch", "predict (DeepSeek-V4)", "lit_moe/model/generate.py",
+        '    if getattr(model.config, "v4_attention", False) and len(lengths) > 1:',
+        "    if False:",
+        ("tests/test_predict.py", "-k", "v4_greedy")),
+    Bug("v4_predict_tp_sinks_of_every_head", "predict (DeepSeek-V4, tp)", "lit_moe/model/generate.py",
+        '    sinks = attn.sinks.to_local() if hasattr(attn.sinks, "to_local") else attn.sinks',
+        '    sinks = attn.sinks.full_tensor() if hasattr(attn.sinks, "to_local") else attn.sinks',
+        ("tests/test_predict.py", "-k", "tp_and_ep")),
     # ---------------------------------------------------------------- plan: TP's sequence split, selective recompute
     Bug("plan_sequence_split_ignored", "plan memory", "lit_moe/strategies/activation_memory.py",
         '    T, H, Tl = tokens, c.hidden_size, tokens // tp\n    a = _bytes(c.torch_dtype("compute_dtype"))\n'

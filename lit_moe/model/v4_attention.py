@@ -93,6 +93,8 @@ class Compressor(nn.Module):
         B, S, _ = x.shape
         m = self.rate
         W = S // m
+        if W == 0:   # no window complete yet (a short prompt): no entry
+            return x.new_zeros(B, 0, self.dim)
         kv = self.kv_proj(x[:, :W * m]).float().view(B, W, m, -1)
         gate = self.gate_proj(x[:, :W * m]).float().view(B, W, m, -1) + self.position_bias
         if self.overlap:

@@ -2,8 +2,9 @@
 
 Generates text from a trained model in one process (or several, below): the model of the config's
 ``model`` section with the weights of ``--checkpoint`` (a ``save_path``, an iteration directory
-written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with DeepSeek-V3's compressed MLA cache
-(:mod:`lit_moe.model.generate`). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
+written by any layout, or a Hugging Face ``save_pretrained`` directory), decoding with a cache of the past tokens
+(:mod:`lit_moe.model.generate`: MLA's compressed latent, grouped-query attention's keys and values, DeepSeek-V4's
+key/values and compressor inputs). Several ``--prompt`` (and/or ``--prompts-file``) form one left-padded batch.
 Prints one JSON line per prompt: ``{"prompt", "completion", "tokens"}``.
 
 The tokenizer is the run's: ``--tokenizer`` (``byte``, ``builtin:NAME``, a ``tokenizer.json`` or a
@@ -23,7 +24,8 @@ training's own tensor- and expert-parallel steps (no FSDP: the dense weights are
 that is not a tensor-parallel peer), loads its pieces of the checkpoint and generates the same
 prompts with the same seeded sampling; rank 0 prints. Tensor parallel keeps the whole sequence on
 every rank (:func:`parallelize_for_generation`: plain tensor parallel, no sequence split): each rank
-caches the (replicated) latent and expands it into its own heads.
+caches the (replicated) latent and expands it into its own heads, or the keys and values of its own
+key/value heads.
 """
 
 from __future__ import annotations
@@ -181,17 +183,6 @@ def check_model(config) -> None:
     """What the cached decoder does not implement, refused before anything runs."""
     if config.window_size is not None:
         raise ConfigError(f"model.window_size: {config.window_size!r}: predict has no sliding-window cache")
-    # the cached decoder (lit_moe.model.generate) runs MLA blocks on one residual stream
-    if not config.multi_latent_attention:
-        raise ConfigError("model.multi_latent_attention: false: predict caches MLA's latent only, not grouped-query "
-                          f"attention's keys and values yet ({config.model_type})")
-    if getattr(config, "v4_attention", False):
-        raise ConfigError("model.experimental_attention_variant: 'dsv4_hybrid': predict has no cache of DeepSeek-V4's "
-                          "attention (compressed keys, sliding window) yet")
-    for name in ("enable_hyper_connections", "num_hash_layers"):
-        if getattr(config, name, None):
-            raise ConfigError(f"model.{name}: {getattr(config, name)!r}: predict does not run DeepSeek-V4's mHC "
-                              "streams or hash routing yet")
     if getattr(config, "moe_expert_capacity_factor", None):
         raise ConfigError("model.moe_expert_capacity_factor: token dropping would make a batch's outputs depend on "
                           "its other prompts; predict needs it null")
