@@ -45,7 +45,7 @@ TOOLS = {
     "plan": "lit_moe.strategies.plan",
     "preprocess": "lit_moe.data.preprocess",
     "convert-config": "lit_moe.tools.convert_config",
-    "convert-hf": "lit_moe.checkpoint.convert_hf",
+    "convert-hf": "lit_moe.hf.convert",
     "predict": "lit_moe.tools.predict",
 }
 

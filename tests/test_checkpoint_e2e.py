@@ -254,7 +254,7 @@ def test_hf_export_then_import_into_expert_parallel(tmp_path_factory, capfd):
     """convert-hf of the dp2 checkpoint, then fine-tuning from that Hugging Face directory under
     expert parallel 2 starts from the same weights as fine-tuning from the iteration directory in one
     process: the same first-step loss."""
-    from lit_moe.checkpoint.convert_hf import main as convert_hf
+    from lit_moe.hf.convert import main as convert_hf
 
     base = _dp2_run(tmp_path_factory)
     tmp_path = tmp_path_factory.mktemp("hf")

@@ -12,7 +12,7 @@ import transformers  # the judge
 from helpers import load_transformers_model, randomize_norms_and_biases
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.model.hf import hf_config_dict
+from lit_moe.hf.checkpoint import hf_config_dict
 from lit_moe.model.mindformers_defaults import read_pynative_model_section
 
 SEQ = 40

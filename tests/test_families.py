@@ -12,7 +12,7 @@ import transformers  # the judge
 from helpers import load_transformers_model, randomize_norms_and_biases
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.model.hf import HFCheckpointError, hf_config_dict
+from lit_moe.hf.checkpoint import HFCheckpointError, hf_config_dict
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
@@ -116,7 +116,7 @@ def test_export_refuses_what_transformers_cannot_hold():
     with pytest.raises(HFCheckpointError, match=r"qwen3_moe checkpoint: model\.routed_scaling_factor: 1\.5"):
         hf_config_dict(DeepseekV3Config(**{**QWEN3, "routed_scaling_factor": 1.5}))
     with pytest.raises(ConfigError, match=r"config\.json: mlp_only_layers=\[1\] is not supported"):
-        from lit_moe.model.hf import config_from_hf
+        from lit_moe.hf.checkpoint import config_from_hf
         config_from_hf({**hf_config_dict(DeepseekV3Config(**QWEN3)), "lit_moe": None, "mlp_only_layers": [1]})
 
 

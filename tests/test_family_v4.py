@@ -12,7 +12,7 @@ import transformers  # the judge
 from helpers import load_transformers_model, randomize_norms_and_biases, tiny_config, write_config
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.model.hf import HFCheckpointError, hf_config_dict
+from lit_moe.hf.checkpoint import HFCheckpointError, hf_config_dict
 
 # every V4 attention kind (layer 1 and 3: CSA with an indexer that keeps 3 of up to 10 entries,
 # layer 2: HCA), two hash-routed layers, three residual streams; 40 tokens span several windows
@@ -164,7 +164,7 @@ def test_export_refuses_what_transformers_cannot_hold():
     with pytest.raises(HFCheckpointError, match=r"DeepSeek-V3 checkpoint: model\.enable_hyper_connections: True"):
         hf_config_dict(DeepseekV3Config(enable_hyper_connections=True))
     with pytest.raises(ConfigError, match=r"config\.json: mlp_layer_types=\['moe', 'hash_moe'\] is not supported"):
-        from lit_moe.model.hf import config_from_hf
+        from lit_moe.hf.checkpoint import config_from_hf
         d = hf_config_dict(DeepseekV3Config(**dict(V4, num_hidden_layers=2, layer_types=V4["layer_types"][:2])))
         config_from_hf({**d, "lit_moe": None, "mlp_layer_types": ["moe", "hash_moe"]})
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import transformers  # the judge: a hard test dependency (pyproject [test])
 
 from helpers import randomize_norms_and_biases
-from lit_moe.model.hf import HFCheckpointError  # noqa: E402
+from lit_moe.hf.checkpoint import HFCheckpointError  # noqa: E402
 from lit_moe.model import DeepseekV3ForCausalLM  # noqa: E402
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -61,7 +61,7 @@ def test_logits_match_transformers(tmp_path, q_lora):
 
 
 def test_reads_a_checkpoint_written_by_transformers(tmp_path):
-    from lit_moe.model.hf import hf_config_dict
+    from lit_moe.hf.checkpoint import hf_config_dict
     from lit_moe.model import DeepseekV3Config
 
     cfg = hf_config_dict(DeepseekV3Config(**{**CFG, "q_lora_rank": None}))

@@ -132,7 +132,7 @@ def write_fp8_checkpoint(model, directory: Path) -> dict[str, torch.Tensor]:
 
 def test_fp8_deepseek_checkpoint_loads_dequantized(tmp_path):
     from lit_moe.model import DeepseekV3ForCausalLM
-    from lit_moe.model.hf import _Reader
+    from lit_moe.hf.checkpoint import _Reader
 
     expected = write_fp8_checkpoint(tiny_model(), tmp_path)
     assert len(expected) > 20
@@ -156,7 +156,7 @@ def _child(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lit_moe.checkpoint.hf_load import load_hf_into
+    from lit_moe.hf.load import load_hf_into
     from lit_moe.model import DeepseekV3ForCausalLM
 
     dist.init_process_group("gloo", init_method=f"file://{root}/rdv", rank=rank, world_size=world)
@@ -231,10 +231,11 @@ BIGGER = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidde
 
 _PEAK = """
 import sys
-from lit_moe.checkpoint import convert_hf
+from lit_moe.hf import convert as convert_hf
 from lit_moe.checkpoint.iteration import IterationReader, load_module
 from lit_moe.checkpoint.resume import find_iteration_dir
-from lit_moe.model import DeepseekV3ForCausalLM, hf
+from lit_moe.model import DeepseekV3ForCausalLM
+from lit_moe.hf import checkpoint as hf
 import torch, os, threading, time
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():

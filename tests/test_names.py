@@ -17,7 +17,7 @@ import yaml
 
 from lit_moe.config import ConfigError
 from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
-from lit_moe.model.hf import hf_keys
+from lit_moe.hf.checkpoint import hf_keys
 from lit_moe.model.mindformers_defaults import KEPT, read_pynative_model_section
 from lit_moe.model.names import spelled
 

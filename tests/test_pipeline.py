@@ -676,7 +676,7 @@ def _same_moe_metrics(got: dict, want: dict, steps) -> None:
 def _hf_tensors(tmp_path: Path, config: Path, iteration: Path, name: str) -> dict:
     from safetensors.torch import load_file
 
-    from lit_moe.checkpoint.convert_hf import main as convert_hf
+    from lit_moe.hf.convert import main as convert_hf
 
     out = tmp_path / name
     assert convert_hf(["--config", str(config), "--checkpoint", str(iteration), "--output", str(out)]) == 0

@@ -250,7 +250,7 @@ def test_bad_inputs_each_get_one_line(chain, tmp_path, capsys, monkeypatch):
 
 
 def test_hugging_face_config_that_disagrees_is_one_line(tmp_path, capsys):
-    from lit_moe.model.hf import hf_config_dict
+    from lit_moe.hf.checkpoint import hf_config_dict
     from lit_moe.model import DeepseekV3Config
 
     cfg = helpers.tiny_config(tmp_path)

@@ -20,7 +20,7 @@ def test_seed_config_builds_on_meta_quickly_and_counts_like_hugging_face():
 
 def test_hugging_face_counts_the_seed_config_the_same():
     import transformers  # the judge: a hard test dependency (pyproject [test])
-    from lit_moe.model.hf import hf_config_dict
+    from lit_moe.hf.checkpoint import hf_config_dict
 
     cfg = hf_config_dict(DeepseekV3Config(**GUIDE_8CARD))
     cfg.pop("lit_moe")

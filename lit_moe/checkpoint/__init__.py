@@ -3,7 +3,7 @@ load into any parallel layout; Hugging Face import (``load_path``) and export (`
 
 * :func:`build_checkpoint_callback` — the Lightning callback that saves (and lets the Trainer resume);
 * :func:`resolve_load` — what ``checkpoint.load_path`` asks for, as a :class:`LoadPlan`;
-* ``lit_moe convert-hf`` — :mod:`lit_moe.checkpoint.convert_hf`.
+* ``lit_moe convert-hf`` — :mod:`lit_moe.hf.convert`.
 
 See ``docs/checkpoint.md`` for the layout and the guarantees.
 """

@@ -300,7 +300,7 @@ def check_hf_config(directory: Path, model_config: Any) -> None:
     one line naming the first field that differs (before anything is allocated)."""
     import json
 
-    from lit_moe.model.hf import HFCheckpointError, hf_config_dict
+    from lit_moe.hf.checkpoint import HFCheckpointError, hf_config_dict
 
     path = directory / "config.json"
     if not path.is_file():

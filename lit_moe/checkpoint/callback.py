@@ -77,7 +77,7 @@ def check_hf_export(cfg: CheckpointConfig, model_config: Any) -> None:
     """``checkpoint.save_hf_at_end``, checked before training rather than after it."""
     if not cfg.save_hf_at_end:
         return
-    from lit_moe.model.hf import HFCheckpointError, _parse_size, export_problems
+    from lit_moe.hf.checkpoint import HFCheckpointError, _parse_size, export_problems
 
     if not cfg.enable_save:
         raise ConfigError("checkpoint.save_hf_at_end: needs checkpoint.enable_save: True (the export is made from the "
@@ -191,7 +191,7 @@ class IterationCheckpoint(Callback):
     def export_hf(self, pl_module: "pl.LightningModule", step: int) -> None:
         """``save_hf_at_end``: rank 0 rebuilds the model from iteration ``step`` (every rank's pieces, any
         layout) and writes the Hugging Face directory; the others wait for its outcome."""
-        from lit_moe.checkpoint.convert_hf import export_atomically, model_from_checkpoint
+        from lit_moe.hf.convert import export_atomically, model_from_checkpoint
 
         comm = self._comm or Comm(None)
         comm.barrier()   # every rank's files of the final iteration are committed

@@ -177,7 +177,7 @@ class HFWeightsLoader:
 
     def __call__(self, model: torch.nn.Module, whole_model: bool = True) -> None:
         # (the Hugging Face directory's names are mapped onto the model's own: any part of it)
-        from lit_moe.checkpoint.hf_load import load_hf_into
+        from lit_moe.hf.load import load_hf_into
 
         load_hf_into(model, self.path, self.model_config, workers=self.workers)
 

@@ -92,7 +92,7 @@ def load_tokenizer(spec: str, eod_token: Optional[str] = None, add_special_token
         return ByteTokenizer()
     if spec.startswith("builtin:"):
         spec = builtin_tokenizer_path(spec[len("builtin:"):])
-    from lit_moe.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+    from lit_moe.hf.tokenizer import HFTokenizer, is_hf_tokenizer_dir
 
     if is_hf_tokenizer_dir(spec):
         return HFTokenizer(spec, eod_token, add_special_tokens)

@@ -43,7 +43,7 @@ def canonical_name(name: str) -> str:
 # its Megatron-style graph tree with separate MLA projections (``parallel_core/training_graph``
 # and ``models/deepseek3/utils.py``'s ``weight_mapping``: ``linear_q_proj``,
 # ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``, ``kv_layernorm``,
-# ``linear_kv_up_proj``) and Hugging Face's DeepSeek-V3 (``lit_moe/model/hf.py``).
+# ``linear_kv_up_proj``) and Hugging Face's DeepSeek-V3 (``lit_moe/hf/checkpoint.py``).
 # One lit_moe name has one spelling per tree; several lit_moe names can share one (``linear_qkv``
 # holds both ``q_a_proj`` and ``kv_a_proj_with_mqa``; ``linear_fc1`` both ``gate_proj`` and ``up_proj``).
 SPELLINGS = ("lit_moe", "mindformers", "mindformers_megatron", "huggingface")

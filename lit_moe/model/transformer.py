@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_moe.model import hf
+from lit_moe.hf import checkpoint as hf
 from lit_moe.model.attention import AttentionContext
 from lit_moe.model.compile import compile_enabled, compiled
 from lit_moe.model.config import DeepseekV3Config

@@ -458,7 +458,7 @@ def check_parallelism_keys(p: Any) -> None:
     elif p.ulysses_degree_in_cp is not None:
         cp_ulysses_degree(p)
     # pipeline keys
-    pp = _check_degree("pipeline_parallel", p.pipeline_parallel)
+    _check_degree("pipeline_parallel", p.pipeline_parallel)
     _check_degree("pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size)
     _check_degree("pipeline_parallel_interleave_num", p.pipeline_parallel_interleave_num)
     _choice(p, "pipeline_parallel_schedule", PIPELINE_SCHEDULES)

@@ -102,13 +102,13 @@ def run_tokenizer(spec: Optional[str], checkpoint: Path, data: dict):
 def load_model(data: dict, config_path: str, checkpoint: Path, layout=None, device: str = "cpu"):
     """The config's model with the checkpoint's weights (a Hugging Face directory or ours), on ``device``;
     ``layout(model)`` parallelizes the meta model first (each rank then loads only its pieces)."""
-    from lit_moe.checkpoint.convert_hf import trained_model
+    from lit_moe.hf.convert import trained_model
 
     if layout is None and not (checkpoint / "config.json").is_file():
         return trained_model(data, config_path, str(checkpoint))
     import torch
 
-    from lit_moe.checkpoint.hf_load import load_hf_into
+    from lit_moe.hf.load import load_hf_into
     from lit_moe.checkpoint.iteration import IterationReader, load_module
     from lit_moe.checkpoint.resume import find_iteration_dir
     from lit_moe.model import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 
-    from lit_moe.model.hf import HFCheckpointError
+    from lit_moe.hf.checkpoint import HFCheckpointError
     from lit_moe.tools.errors import one_line
 
     ours = not dist.is_initialized()   # a process group started here (not by a caller) is ended here

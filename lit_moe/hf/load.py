@@ -1,7 +1,7 @@
 """Hugging Face weights into an already built (possibly sharded) model: ``load_path`` pointing at a
 ``save_pretrained`` directory with ``no_load_optim: True``.
 
-The key mapping and orientation are :mod:`lit_moe.model.hf`'s (``hf_keys``: for each of our tensors,
+The key mapping and orientation are :mod:`lit_moe.hf.checkpoint`'s (``hf_keys``: for each of our tensors,
 the Hugging Face keys and the view of our tensor each one fills). Each rank reads only the part of
 each Hugging Face tensor that lands in the piece it holds: the view's strides (taken on the meta
 device) say which of our dimensions each Hugging Face dimension runs along and where it starts, the
@@ -110,7 +110,7 @@ class Source:
 
 
 def locate(hf_key: str, reader) -> Optional[Source]:
-    from lit_moe.model import hf
+    from lit_moe.hf import checkpoint as hf
 
     if hf_key in reader.files:
         return Source(hf_key, (), 0, reader.shape(hf_key))
@@ -137,7 +137,7 @@ def read_region(reader, src: Source, box: tuple[slice, ...]) -> torch.Tensor:
 def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = None, workers: int = 1) -> int:
     """Fill ``model`` (a ``DeepseekV3ForCausalLM``, any layout) from the Hugging Face directory, each
     rank reading only the regions it holds. Returns the bytes this rank read."""
-    from lit_moe.model import hf
+    from lit_moe.hf import checkpoint as hf
 
     directory = Path(directory)
     config = getattr(model, "config", None) or model_config
@@ -154,7 +154,7 @@ def load_hf_into(model: torch.nn.Module, directory: Path, model_config: Any = No
 
 
 def _fill(model: torch.nn.Module, reader, directory: Path, config: Any) -> int:
-    from lit_moe.model import hf
+    from lit_moe.hf import checkpoint as hf
 
     available = reader.keys()
     sd = get_model_state_dict(model)

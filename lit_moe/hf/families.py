@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` of the other families (``qwen3_moe``, ``glm4_moe``): export and import.
 
-The tensor names are DeepSeek-V3's map (``lit_moe.model.hf``, ``lit_moe.model.names``): grouped-query
+The tensor names are DeepSeek-V3's map (``lit_moe.hf.checkpoint``, ``lit_moe.model.names``): grouped-query
 attention keeps Hugging Face's own module names (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
 ``q_norm``/``k_norm`` under ``self_attn``), the router is ``mlp.gate``, experts are per-expert
 ``gate_proj``/``up_proj``/``down_proj``. Qwen3-MoE has no expert bias (``e_score_correction_bias``):

@@ -114,7 +114,7 @@ def write_atomically(output: Path, write) -> None:
 
 def export_atomically(model, output: Path, max_shard_size: str = "5GB", dtype=None) -> None:
     """``save_pretrained`` of a model in memory, written atomically (:func:`write_atomically`)."""
-    from lit_moe.model.hf import save_pretrained
+    from lit_moe.hf.checkpoint import save_pretrained
 
     write_atomically(output, lambda tmp: save_pretrained(model, tmp, max_shard_size=max_shard_size, dtype=dtype))
 
@@ -150,10 +150,10 @@ def stream_export(model, reader, out: Path, dtype, max_shard_size: str) -> Path:
     checkpoint ``reader``, one tensor at a time (see the module docstring)."""
     import torch
 
-    from lit_moe.checkpoint.hf_load import region, view_geometry
+    from lit_moe.hf.load import region, view_geometry
     from lit_moe.checkpoint.iteration import _prefix_map, _SubIndex
     from lit_moe.checkpoint.sharded import Piece, canonical, check_shapes
-    from lit_moe.model import hf
+    from lit_moe.hf import checkpoint as hf
 
     config = model.config
     index = reader.index("model")
@@ -234,7 +234,7 @@ class SafetensorsWriter:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from lit_moe.model.hf import HFCheckpointError
+    from lit_moe.hf.checkpoint import HFCheckpointError
     from lit_moe.config import ConfigError
 
     try:

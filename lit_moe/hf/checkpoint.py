@@ -33,7 +33,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from lit_moe.model import hf_families, hf_v4
+from lit_moe.hf import v4 as hf_v4
+
+from lit_moe.hf import families as hf_families
 from lit_moe.model.config import DeepseekV3Config
 from lit_moe.model.names import canonical_name, spelled
 from lit_moe.model.safetensors_io import (CONFIG_FILE, FP8_DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsError,
@@ -75,7 +77,7 @@ def export_problems(config: DeepseekV3Config) -> list[str]:
 
 def hf_config_dict(config: DeepseekV3Config, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face DeepSeek-V3 model (plus our full config under ``lit_moe``);
-    the other families' in ``lit_moe.model.hf_families``."""
+    the other families' in ``lit_moe.hf.families``."""
     if config.model_type == "deepseek_v4":
         problems = hf_v4.export_problems(config)
         if problems:
