@@ -39,11 +39,29 @@ def one_process_strategy():
         dist.destroy_process_group()
 
 
+# The files whose tests take longest (their multi-rank launches), slowest first, from the durations of
+# a fresh-clone run on the 2-core machine. Under pytest-xdist (``-n 2 --dist loadfile``) they are handed
+# out first, so that no long file starts last and runs alone while the other worker idles.
+SLOWEST_FILES = ["test_step_layouts.py", "test_pipeline.py", "test_memory_plan.py", "test_strategy_launch.py",
+                 "test_predict.py", "test_context_parallel.py", "test_elastic.py", "test_hostile_inputs.py",
+                 "test_family_v4.py", "test_checkpoint_e2e.py", "test_mindformers_keys.py",
+                 "test_parallel_numerics.py", "test_resilience.py"]
+
+
 def pytest_configure(config):
     """``LIT_MOE_COUNT_STARTS=1``: count every Python interpreter the suite starts (see
-    ``start_counter.py``); the count, per test file, is printed at the end."""
+    ``start_counter.py``); the count, per test file, is printed at the end. Under xdist's ``loadfile``
+    the files are handed out in collection order (``pytest_collection_modifyitems``), not by test count."""
     if os.environ.get("LIT_MOE_COUNT_STARTS") == "1":
         start_counter.install()
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The slowest files first (``SLOWEST_FILES``), the rest in their usual order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))
 
 
 def pytest_terminal_summary(terminalreporter):
