@@ -40,7 +40,7 @@ def one_process_strategy():
 
 
 # The files whose tests take longest (their multi-rank launches), slowest first, from the durations of
-# a fresh-clone run on the 2-core machine. Under pytest-xdist (``-n 2 --dist loadfile``) they are handed
+# a fresh-clone run on the 2-core machine. Under pytest-xdist (``--dist loadfile``) they are handed
 # out first, so that no long file starts last and runs alone while the other worker idles.
 SLOWEST_FILES = ["test_step_layouts.py", "test_pipeline.py", "test_memory_plan.py", "test_strategy_launch.py",
                  "test_predict.py", "test_context_parallel.py", "test_elastic.py", "test_hostile_inputs.py",

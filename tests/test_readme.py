@@ -35,5 +35,5 @@ def test_quick_start_and_ci_run_the_same_test_command():
     text = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "lit_moe fit --config configs/tiny.yaml" in text
-    command = "python -m pytest -q -n 2 --dist loadfile --durations=20"   # the slowest tests named on every run
+    command = "python -m pytest -q -n 3 --dist loadfile --durations=20"   # the slowest tests named on every run
     assert command in text and command in ci
